@@ -1,0 +1,16 @@
+"""orttrainer: train PyTorch models with ONNX Runtime through the legacy ORTTrainer API."""
+
+try:
+    import onnxruntime.training  # noqa: F401
+except ImportError as error:  # the plain onnxruntime package replaced onnxruntime-training
+    raise ImportError(
+        "orttrainer needs onnxruntime-training, but the installed 'onnxruntime' has no 'onnxruntime.training' "
+        "(the plain onnxruntime package was installed over it). Fix: pip uninstall -y onnxruntime "
+        "onnxruntime-training && pip install onnxruntime-training==1.19.2"
+    ) from error
+
+from . import amp, optim
+from .options import ORTTrainerOptions
+from .trainer import ORTTrainer, TrainStepInfo
+
+__all__ = ["ORTTrainer", "ORTTrainerOptions", "TrainStepInfo", "amp", "optim"]

@@ -1,0 +1,280 @@
+"""ONNX rewrites: the forward+loss graph -> a training graph (with gradients) and an eval graph.
+
+This is the only module that touches onnxruntime-training internals
+(``GradientGraphBuilder``, ``get_optimized_model``), so that a new ONNX Runtime version
+changes one file.
+
+Training graph outputs, in order: the model_desc outputs, the updated running statistics
+of every BatchNormalization (``running_stat_outputs``), then ``<weight>_grad`` for every
+trainable weight (``gradient_outputs``). Weights are graph inputs in both graphs, so both
+sessions read the same torch memory.
+"""
+
+import copy
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+import onnxruntime
+from onnx import helper, numpy_helper
+from onnxruntime.capi._pybind_state import GradientGraphBuilder, get_optimized_model
+
+MAX_IR_VERSION = 10  # the highest IR version ONNX Runtime 1.19 loads
+
+# How many outputs an op must expose for its gradient builder to find what it needs.
+_OUTPUTS_NEEDED_BY_GRADIENT = {
+    "Dropout": 2,  # mask
+    "SoftmaxCrossEntropyLoss": 2,  # log_prob
+    "LayerNormalization": 3,  # mean, inv_std_var
+    "SimplifiedLayerNormalization": 2,
+    "MaxPool": 2,  # indices
+}
+
+# Ops measured to have no gradient builder in onnxruntime-training 1.19 (see DESIGN.md).
+OPS_WITHOUT_GRADIENT = frozenset(
+    """Softplus Elu Selu Celu PRelu HardSigmoid HardSwish Mish Softsign InstanceNormalization
+    ReduceMax ReduceMin ReduceProd ReduceL1 ReduceLogSum ReduceSumSquare Sum Mean CumSum Einsum
+    Asin Acos Atan Sinh Cosh Asinh Acosh Atanh Floor Ceil Round Sign Mod GridSample
+    DepthToSpace SpaceToDepth LpNormalization LRN RNN""".split()
+)
+
+
+class GradientBuildError(RuntimeError):
+    """The gradient graph cannot be built; the message names the op types, nodes and modules."""
+
+
+@dataclass
+class TrainingGraphs:
+    """What :func:`build_training_graphs` returns."""
+
+    train: onnx.ModelProto
+    eval: onnx.ModelProto
+    gradient_outputs: dict = field(default_factory=dict)  # weight name -> gradient output name
+    running_stat_outputs: dict = field(default_factory=dict)  # output name -> running-stat input name
+
+
+def module_path(node_name: str) -> str:
+    """The torch module a node came from, from the TorchScript exporter's scoped name.
+
+    ``/model/layer/self_attn/Softmax`` -> ``layer.self_attn``; ``""`` when unknown.
+    """
+    parts = [part for part in node_name.split("/") if part]
+    if len(parts) < 2:
+        return ""
+    scope = parts[-2]
+    return scope[len("model.") :] if scope.startswith("model.") else ("" if scope == "model" else scope)
+
+
+def describe_node(node: onnx.NodeProto) -> str:
+    where = module_path(node.name)
+    return f"{node.op_type} (node '{node.name}'" + (f", module '{where}')" if where else ")")
+
+
+def _with_ir_version(model: onnx.ModelProto) -> onnx.ModelProto:
+    model.ir_version = min(model.ir_version, MAX_IR_VERSION)
+    return model
+
+
+def name_unnamed_nodes(graph: onnx.GraphProto) -> None:
+    """Give every node a unique name (error messages and generated outputs use them)."""
+    taken = {node.name for node in graph.node if node.name}
+    for index, node in enumerate(graph.node):
+        if not node.name:
+            name = f"{node.op_type}_{index}"
+            while name in taken:
+                name += "_"
+            node.name = name
+            taken.add(name)
+
+
+def move_weights_to_inputs(model: onnx.ModelProto, weight_names) -> None:
+    """Turn the named initializers into graph inputs so sessions read them from torch memory."""
+    wanted = set(weight_names)
+    kept = []
+    for initializer in model.graph.initializer:
+        if initializer.name in wanted:
+            model.graph.input.append(
+                helper.make_tensor_value_info(initializer.name, initializer.data_type, list(initializer.dims))
+            )
+        else:
+            kept.append(initializer)
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+
+
+def set_inference_mode(model: onnx.ModelProto) -> None:
+    """Dropout off and BatchNormalization on running statistics (the eval graph)."""
+    for node in model.graph.node:
+        if node.op_type == "Dropout" and len(node.input) > 2:
+            node.input[2] = ""
+        elif node.op_type == "BatchNormalization":
+            for attribute in node.attribute:
+                if attribute.name == "training_mode":
+                    attribute.i = 0
+            del node.output[1:]
+
+
+def _constant(graph: onnx.GraphProto, name: str, value: np.ndarray) -> str:
+    graph.initializer.append(numpy_helper.from_array(value, name))
+    return name
+
+
+def _force_dropout_training_mode(model: onnx.ModelProto) -> None:
+    """Give every Dropout an explicit training_mode=True input.
+
+    Attention dropout inside scaled-dot-product attention is exported without one;
+    ONNX Runtime then skips it, and its gradient comes out wrong (DESIGN.md).
+    """
+    graph = model.graph
+    true_name = None
+    for node in graph.node:
+        if node.op_type == "Dropout" and (len(node.input) < 3 or not node.input[2]):
+            if true_name is None:
+                true_name = _constant(graph, "orttrainer.dropout_training_mode", np.array(True))
+            while len(node.input) < 2:
+                node.input.append("")
+            if len(node.input) == 2:
+                node.input.append(true_name)
+            else:
+                node.input[2] = true_name
+
+
+def _add_outputs_needed_by_gradients(model: onnx.ModelProto) -> None:
+    """Expose the optional outputs (masks, log_prob, statistics) gradient builders read."""
+    for node in model.graph.node:
+        needed = _OUTPUTS_NEEDED_BY_GRADIENT.get(node.op_type, 0)
+        while len(node.output) < needed:
+            node.output.append(f"{node.name}.output{len(node.output)}")
+        for index in range(needed):
+            if not node.output[index]:
+                node.output[index] = f"{node.name}.output{index}"
+
+
+def _expose_running_statistics(model: onnx.ModelProto, input_names) -> dict:
+    """Make every training-mode BatchNormalization's new running mean/var graph outputs.
+
+    ONNX Runtime updates the running variance with the biased batch variance; torch uses
+    the unbiased one. The added nodes rescale it so the result equals torch's:
+    ``new = ort_new + (ort_new - momentum * old) / (n - 1)`` with n values per channel.
+    Returns {output name: running-stat input name}.
+    """
+    graph = model.graph
+    outputs = {}
+    added = []
+    for node in graph.node:
+        if node.op_type != "BatchNormalization" or len(node.output) < 3:
+            continue
+        x, running_mean, running_var = node.input[0], node.input[3], node.input[4]
+        if running_mean not in input_names or running_var not in input_names:
+            continue
+        momentum = next((attribute.f for attribute in node.attribute if attribute.name == "momentum"), 0.9)
+        prefix = f"{node.name}.unbiased_var"
+        added += [
+            helper.make_node("Size", [x], [f"{prefix}.x_size"], name=f"{prefix}.x_size"),
+            helper.make_node("Size", [running_mean], [f"{prefix}.channels"], name=f"{prefix}.channels"),
+            helper.make_node("Div", [f"{prefix}.x_size", f"{prefix}.channels"], [f"{prefix}.n"], name=f"{prefix}.n"),
+            helper.make_node("Cast", [f"{prefix}.n"], [f"{prefix}.n_float"], name=f"{prefix}.n_float", to=onnx.TensorProto.FLOAT),
+            helper.make_node("Sub", [f"{prefix}.n_float", _constant(graph, f"{prefix}.one", np.array(1.0, np.float32))], [f"{prefix}.n_minus_1"], name=f"{prefix}.n_minus_1"),
+            helper.make_node("Mul", [running_var, _constant(graph, f"{prefix}.momentum", np.array(momentum, np.float32))], [f"{prefix}.decayed"], name=f"{prefix}.decayed"),
+            helper.make_node("Sub", [node.output[2], f"{prefix}.decayed"], [f"{prefix}.batch_part"], name=f"{prefix}.batch_part"),
+            helper.make_node("Div", [f"{prefix}.batch_part", f"{prefix}.n_minus_1"], [f"{prefix}.correction"], name=f"{prefix}.correction"),
+            helper.make_node("Add", [node.output[2], f"{prefix}.correction"], [prefix], name=prefix),
+        ]
+        outputs[node.output[1]] = running_mean
+        outputs[prefix] = running_var
+    graph.node.extend(added)
+    graph.output.extend(helper.make_empty_tensor_value_info(name) for name in outputs)
+    return outputs
+
+
+# elem_type 0: shape inference could not tell, so assume it may carry a gradient.
+_MAYBE_FLOAT = {0, onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+
+
+def _nodes_between(model: onnx.ModelProto, sources, target: str):
+    """Nodes on a floating-point path from any of ``sources`` to ``target``.
+
+    Integer tensors (shapes, indices) carry no gradient, so paths stop at them.
+    """
+    inferred = onnx.shape_inference.infer_shapes(model).graph
+    elem_types = {
+        info.name: info.type.tensor_type.elem_type
+        for info in list(inferred.value_info) + list(inferred.output) + list(inferred.input)
+    }
+    downstream = set(sources)
+    forward = []
+    for node in model.graph.node:  # exported graphs are topologically sorted
+        if any(name in downstream for name in node.input):
+            downstream.update(name for name in node.output if elem_types.get(name, 0) in _MAYBE_FLOAT)
+            forward.append(node)
+    upstream = {target}
+    on_path = []
+    for node in reversed(forward):
+        if any(name in upstream for name in node.output):
+            upstream.update(name for name in node.input if name)
+            on_path.append(node)
+    return list(reversed(on_path))
+
+
+def check_differentiable(model: onnx.ModelProto, weight_names, loss_name: str) -> None:
+    """Raise one GradientBuildError listing every op between weights and loss that has no gradient."""
+    missing = [node for node in _nodes_between(model, weight_names, loss_name) if node.op_type in OPS_WITHOUT_GRADIENT]
+    if missing:
+        listed = "; ".join(describe_node(node) for node in missing)
+        raise GradientBuildError(f"onnxruntime-training has no gradient for these ops between the weights and the loss: {listed}")
+
+
+def _builder_error(error: Exception, graph: onnx.GraphProto) -> GradientBuildError:
+    """Translate the C++ builder's message into one that names the op and its module."""
+    found = re.search(r"has not been registered: (\S+) for node (\S+)", str(error))
+    if found:
+        node = next((node for node in graph.node if node.name == found.group(2)), None)
+        what = describe_node(node) if node is not None else f"{found.group(1)} (node '{found.group(2)}')"
+        return GradientBuildError(f"onnxruntime-training has no gradient for {what}")
+    return GradientBuildError(f"building the gradient graph failed: {error}")
+
+
+def _quiet_session_options() -> onnxruntime.SessionOptions:
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 3  # the graph builder logs every transformer at INFO level
+    return options
+
+
+def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name: str, output_names) -> TrainingGraphs:
+    """Build the training graph (outputs, running stats, gradients) and the eval graph.
+
+    ``forward`` is the forward+loss graph with weights as initializers; ``trainable``
+    weights get gradients, ``frozen`` ones (buffers included) become inputs without.
+    """
+    model = _with_ir_version(copy.deepcopy(forward))
+    name_unnamed_nodes(model.graph)
+    move_weights_to_inputs(model, list(trainable) + list(frozen))
+    eval_model = copy.deepcopy(model)
+    set_inference_mode(eval_model)
+
+    check_differentiable(model, trainable, loss_name)
+    input_names = {graph_input.name for graph_input in model.graph.input}
+    _force_dropout_training_mode(model)
+    running_stat_outputs = _expose_running_statistics(model, input_names)
+    options = _quiet_session_options()
+    optimized = onnx.load_from_string(get_optimized_model(model.SerializeToString(), set(trainable), options))
+    _add_outputs_needed_by_gradients(optimized)
+    try:
+        builder = GradientGraphBuilder(optimized.SerializeToString(), {loss_name}, set(trainable), loss_name, options)
+        builder.build()
+    except RuntimeError as error:
+        raise _builder_error(error, optimized.graph) from error
+    train_model = onnx.load_from_string(builder.get_model())
+
+    gradient_outputs = {name: f"{name}_grad" for name in trainable}
+    by_name = {output.name: output for output in train_model.graph.output}
+    missing = [name for name in gradient_outputs.values() if name not in by_name]
+    if missing:
+        raise GradientBuildError(f"the gradient graph has no output for {missing}: these weights do not reach the loss")
+    ordered = list(output_names) + list(running_stat_outputs) + list(gradient_outputs.values())
+    del train_model.graph.output[:]
+    train_model.graph.output.extend(
+        by_name[name] if name in by_name else helper.make_empty_tensor_value_info(name) for name in ordered
+    )
+    return TrainingGraphs(_with_ir_version(train_model), eval_model, gradient_outputs, running_stat_outputs)

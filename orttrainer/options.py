@@ -1,0 +1,201 @@
+"""ORTTrainerOptions: the legacy option tree, its defaults, and validation.
+
+The schema is the legacy one (LEGACY_API.md §2). Errors are collected for every key
+and raised together as one ValueError whose message names each key by its full path
+(``mixed_precision.enabled``), what was expected, and what was given.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import onnxruntime
+import torch
+from onnxruntime.training import PropagateCastOpsStrategy
+
+from . import amp
+from .optim import lr_scheduler
+
+MIN_OPSET = 12
+MAX_OPSET = 20  # the TorchScript exporter's highest opset in torch 2.13
+
+
+@dataclass(frozen=True)
+class _Option:
+    """One leaf of the schema: accepted type(s), default and bounds."""
+
+    kind: Any
+    default: Any
+    min: Optional[int] = None
+    max: Optional[int] = None
+    nullable: bool = False
+    check: Optional[Callable[[Any], Optional[str]]] = None  # extra rule, returns an error or None
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _list_of_str(value):
+    if not all(isinstance(item, str) for item in value):
+        return "must be a list of strings"
+    return None
+
+
+def _dict_of(key_type, value_check):
+    def check(value):
+        for key, item in value.items():
+            if not isinstance(key, key_type) or not value_check(item):
+                return f"has an invalid entry {key!r}: {item!r}"
+        return None
+
+    return check
+
+
+def _is_int_list(value):
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_SCHEMA = {
+    "batch": {"gradient_accumulation_steps": _Option(int, 1, min=1)},
+    "device": {
+        "id": _Option(str, _default_device),
+        "mem_limit": _Option(int, 0, min=0),
+    },
+    "distributed": {
+        "world_rank": _Option(int, 0, min=0),
+        "world_size": _Option(int, 1, min=1),
+        "local_rank": _Option(int, 0, min=0),
+        "data_parallel_size": _Option(int, 1, min=1),
+        "horizontal_parallel_size": _Option(int, 1, min=1),
+        "pipeline_parallel": {
+            "pipeline_parallel_size": _Option(int, 1, min=1),
+            "num_pipeline_micro_batches": _Option(int, 1, min=1),
+            "pipeline_cut_info_string": _Option(str, ""),
+            "sliced_schema": _Option(dict, dict, check=_dict_of(str, _is_int_list)),
+            "sliced_axes": _Option(dict, dict, check=_dict_of(str, _is_int)),
+            "sliced_tensor_names": _Option(list, list, check=_list_of_str),
+        },
+        "allreduce_post_accumulation": _Option(bool, False),
+        "deepspeed_zero_optimization": {"stage": _Option(int, 0, min=0, max=1)},
+        "enable_adasum": _Option(bool, False),
+    },
+    "lr_scheduler": _Option(lr_scheduler._LRScheduler, None, nullable=True),
+    "mixed_precision": {
+        "enabled": _Option(bool, False),
+        "loss_scaler": _Option(amp.LossScaler, None, nullable=True),
+    },
+    "graph_transformer": {
+        "attn_dropout_recompute": _Option(bool, False),
+        "gelu_recompute": _Option(bool, False),
+        "transformer_layer_recompute": _Option(bool, False),
+        "number_recompute_layers": _Option(int, 0, min=0),
+        "propagate_cast_ops_config": {
+            "strategy": _Option(PropagateCastOpsStrategy, PropagateCastOpsStrategy.FLOOD_FILL, nullable=True),
+            "level": _Option(int, 1, min=-1),
+            "allow": _Option(list, list, check=_list_of_str),
+        },
+    },
+    "utils": {
+        "frozen_weights": _Option(list, list, check=_list_of_str),
+        "grad_norm_clip": _Option(bool, True),
+        "memory_efficient_gradient": _Option(bool, False),
+        "run_symbolic_shape_infer": _Option(bool, False),
+    },
+    "debug": {
+        "deterministic_compute": _Option(bool, False),
+        "check_model_export": _Option(bool, False),
+        "graph_save_paths": {
+            "model_after_graph_transforms_path": _Option(str, ""),
+            "model_with_gradient_graph_path": _Option(str, ""),
+            "model_with_training_graph_path": _Option(str, ""),
+            "model_with_training_graph_after_optimization_path": _Option(str, ""),
+        },
+    },
+    "_internal_use": {
+        "enable_internal_postprocess": _Option(bool, True),
+        "extra_postprocess": _Option(Callable, None, nullable=True),
+        "onnx_opset_version": _Option(int, 17, min=MIN_OPSET, max=MAX_OPSET),
+        "enable_onnx_contrib_ops": _Option(bool, True),
+    },
+    "provider_options": _Option(dict, dict, check=_dict_of(str, lambda v: isinstance(v, dict))),
+    "session_options": _Option(onnxruntime.SessionOptions, None, nullable=True),
+}
+
+_TYPE_NAMES = {bool: "boolean", int: "integer", str: "string", list: "list", dict: "dict", Callable: "callable"}
+
+
+def _type_error(option: _Option, value) -> Optional[str]:
+    """Return why ``value`` does not match ``option``, or None when it does."""
+    if value is None:
+        return None if option.nullable else "null value not allowed"
+    kind = option.kind
+    if kind is Callable:
+        ok = callable(value)
+    elif kind is int:
+        ok = _is_int(value)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        name = _TYPE_NAMES.get(kind, kind.__name__)
+        return f"must be of {name} type, got {type(value).__name__} {value!r}"
+    if option.min is not None and value < option.min:
+        return f"min value is {option.min}, got {value}"
+    if option.max is not None and value > option.max:
+        return f"max value is {option.max}, got {value}"
+    return option.check(value) if option.check else None
+
+
+def _normalize(schema: dict, given, path: str, errors: list) -> dict:
+    """Fill defaults into ``given`` following ``schema``; append 'path: reason' errors."""
+    if not isinstance(given, dict):
+        errors.append(f"{path or 'options'}: must be of dict type, got {type(given).__name__}")
+        return {}
+    for key in given:
+        if key not in schema:
+            errors.append(f"{path}{key}: unknown field")
+    result = {}
+    for key, spec in schema.items():
+        if isinstance(spec, dict):
+            result[key] = _normalize(spec, given.get(key, {}), f"{path}{key}.", errors)
+            continue
+        if key in given:
+            value = given[key]
+            problem = _type_error(spec, value)
+            if problem:
+                errors.append(f"{path}{key}: {problem}")
+        else:
+            value = spec.default() if callable(spec.default) else spec.default
+        result[key] = value
+    return result
+
+
+class _OptionGroup:
+    """Attribute view of one group of options (``opts.mixed_precision.enabled``)."""
+
+    def __init__(self, values: dict, schema: dict):
+        for key, spec in schema.items():
+            value = values[key]
+            setattr(self, key, _OptionGroup(value, spec) if isinstance(spec, dict) else value)
+
+    def __repr__(self):
+        return f"{type(self).__name__}({vars(self)!r})"
+
+
+class ORTTrainerOptions(_OptionGroup):
+    """Options of an ORTTrainer, given as a (partial, nested) dict.
+
+    Every group is filled with its defaults; unknown keys and wrong types raise one
+    ``ValueError`` listing each offending key path.
+    """
+
+    def __init__(self, options: Optional[dict] = None):
+        self._original_opts = options if options is not None else {}
+        errors: list = []
+        self._validated_opts = _normalize(_SCHEMA, self._original_opts, "", errors)
+        if errors:
+            raise ValueError("Invalid options: " + "; ".join(errors))
+        super().__init__(self._validated_opts, _SCHEMA)

@@ -1,0 +1,436 @@
+"""ORTTrainer: the one place that knows the order of a training step.
+
+Construction validates everything it can; the first ``train_step``/``eval_step`` of a
+torch model exports it with that batch and builds the sessions ("initialization").
+A step then binds the batch, runs the training graph (gradients land in the trainer's
+``.grad`` buffers), copies BatchNorm running statistics back, and on every N-th call
+(gradient accumulation) applies the optimizer update to the same weight tensors the
+sessions read, so no binding ever goes stale.
+"""
+
+import copy
+import hashlib
+import inspect
+import warnings
+
+import numpy as np
+import onnx
+import onnxruntime
+import torch
+from onnx import numpy_helper
+
+from . import amp, export, graph, session
+from .model_desc import LABEL_NAME, _ORTTrainerModelDesc, forward_input_names, infer_model_desc
+from .optim import _update
+from .optim.config import _OptimizerConfig
+from .options import ORTTrainerOptions
+
+
+class TrainStepInfo:
+    """Per-step state passed to LR schedulers and loss scalers (legacy record)."""
+
+    def __init__(self, optimizer_config, all_finite=True, fetches=None, optimization_step=0, step=0):
+        fetches = [] if fetches is None else fetches
+        assert isinstance(optimizer_config, _OptimizerConfig), "optimizer_config must be an optim config"
+        assert isinstance(all_finite, bool), "all_finite must be a bool"
+        assert isinstance(fetches, list) and all(isinstance(name, str) for name in fetches), "fetches must be a list of str"
+        assert isinstance(optimization_step, int) and optimization_step >= 0, "optimization_step must be an int >= 0"
+        assert isinstance(step, int) and step >= 0, "step must be an int >= 0"
+        self.optimizer_config = optimizer_config
+        self.all_finite = all_finite
+        self.fetches = fetches
+        self.optimization_step = optimization_step
+        self.step = step
+
+
+def _check_constructor_arguments(model, model_desc, optim_config, loss_fn, options):
+    assert model is not None, "'model' is required and must be either a 'torch.nn.Module' or ONNX model"
+    assert model_desc is None or isinstance(model_desc, dict), "'model_desc' must be a 'dict' (or None to infer it)"
+    assert isinstance(optim_config, _OptimizerConfig), (
+        "'optim_config' is required and must be any of 'AdamConfig', 'LambConfig' or 'SGDConfig'"
+    )
+    if loss_fn is not None:
+        assert callable(loss_fn) and _accepts_two_arguments(loss_fn), (
+            f"'loss_fn' must be either 'None' or a callable taking two arguments (output, label), got {loss_fn!r}"
+        )
+    assert options is None or isinstance(options, ORTTrainerOptions), "'options' must be an 'ORTTrainerOptions'"
+    if isinstance(model, onnx.ModelProto):
+        assert loss_fn is None, "'loss_fn' must not be specified when 'model' is an ONNX model"
+    elif not isinstance(model, torch.nn.Module):
+        raise ValueError(f"'model' must be either 'torch.nn.Module' or 'onnx.ModelProto', got {type(model).__name__}")
+
+
+def _accepts_two_arguments(function) -> bool:
+    try:
+        inspect.signature(function).bind(None, None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to inspect (some builtins): let the call decide
+        return True
+    return True
+
+
+def _check_supported(options):
+    """Options the schema accepts for compatibility but orttrainer does not implement yet."""
+    unsupported = {
+        "distributed.horizontal_parallel_size": options.distributed.horizontal_parallel_size > 1,
+        "distributed.pipeline_parallel.pipeline_parallel_size": options.distributed.pipeline_parallel.pipeline_parallel_size > 1,
+        "distributed.enable_adasum": options.distributed.enable_adasum,
+        "graph_transformer.attn_dropout_recompute": options.graph_transformer.attn_dropout_recompute,
+        "graph_transformer.gelu_recompute": options.graph_transformer.gelu_recompute,
+        "graph_transformer.transformer_layer_recompute": options.graph_transformer.transformer_layer_recompute,
+        "mixed_precision.enabled": options.mixed_precision.enabled,
+        "distributed.world_size": options.distributed.world_size > 1,
+    }
+    used = [key for key, is_set in unsupported.items() if is_set]
+    if used:
+        raise NotImplementedError(f"orttrainer does not implement these options yet: {', '.join(used)}")
+
+
+def _is_floating(elem_type: int) -> bool:
+    return session.torch_dtype(elem_type).is_floating_point
+
+
+class ORTTrainer:
+    """Train a torch module (or a forward+loss ONNX model) in ONNX Runtime.
+
+    ``model_desc`` may be None: it is then inferred from the first batch. With a
+    ``loss_fn(output, label)``, the label is the last input and the loss the first output.
+    """
+
+    def __init__(self, model, model_desc, optim_config, loss_fn=None, options=None):
+        _check_constructor_arguments(model, model_desc, optim_config, loss_fn, options)
+        self.options = options if options is not None else ORTTrainerOptions()
+        _check_supported(self.options)
+        self.model_desc = _ORTTrainerModelDesc(model_desc) if model_desc is not None else None
+        self.optim_config = optim_config
+        self.loss_fn = loss_fn
+        self._device = session.resolve_device(self.options.device.id)
+        self._providers = session.device_providers(self._device, self.options.device.mem_limit, self.options.provider_options)
+        self._train_step_info = TrainStepInfo(optim_config)
+        self._torch_model = model if isinstance(model, torch.nn.Module) else None
+        self._onnx_model = None
+        self._training_session = None
+        self._load_state_dict = None
+        self._seed = torch.initial_seed() % (1 << 63)
+        if self.options.mixed_precision.enabled and self.options.mixed_precision.loss_scaler is None:
+            self.options.mixed_precision.loss_scaler = amp.DynamicLossScaler()
+        if self._torch_model is None:
+            self._onnx_model = model
+            self._initialize_from_onnx()
+
+    # ----------------------------------------------------------------- inputs
+    def _gather_inputs(self, args, kwargs):
+        """Positional inputs, then keyword inputs in model_desc order; validated, on the device."""
+        if len(args) == 1 and isinstance(args[0], (list, tuple)):
+            args = tuple(args[0])
+        if self.model_desc is not None:
+            names = [entry.name for entry in self.model_desc.inputs]
+            unknown = [name for name in kwargs if name not in names]
+            if unknown:
+                raise ValueError(f"unknown keyword inputs {unknown}; model_desc inputs are {names}")
+            tensors = list(args) + [kwargs[name] for name in names if name in kwargs]
+            if len(tensors) != len(names):
+                raise ValueError(f"expected {len(names)} inputs {names}, got {len(tensors)}")
+        else:
+            tensors = list(args) + list(kwargs.values())
+            names = self._infer_input_names(len(args), list(kwargs))
+        for name, tensor in zip(names, tensors):
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"input '{name}' must be a torch.Tensor, got {type(tensor).__name__}")
+        if self.model_desc is not None:
+            self._check_against_model_desc(tensors)
+        return names, [tensor.to(self._device).contiguous() for tensor in tensors]
+
+    def _infer_input_names(self, positional_count, keyword_names):
+        label_count = 1 if self.loss_fn is not None else 0
+        names = forward_input_names(self._torch_model, positional_count - label_count) + keyword_names
+        return names + [LABEL_NAME] * label_count
+
+    def _check_against_model_desc(self, tensors):
+        bound = {}
+        for entry, tensor in zip(self.model_desc.inputs, tensors):
+            if len(entry.shape) != tensor.dim():
+                raise ValueError(
+                    f"input '{entry.name}' must have {len(entry.shape)} dimensions {entry.shape}, got shape {list(tensor.shape)}"
+                )
+            for index, (expected, actual) in enumerate(zip(entry.shape, tensor.shape)):
+                if isinstance(expected, int) and expected != actual:
+                    raise ValueError(
+                        f"input '{entry.name}' dimension {index} must be {expected} (model_desc shape {entry.shape}), "
+                        f"got shape {list(tensor.shape)}"
+                    )
+                if isinstance(expected, str) and bound.setdefault(expected, actual) != actual:
+                    raise ValueError(
+                        f"input '{entry.name}' dimension {index} ('{expected}') is {actual}, but another input "
+                        f"has '{expected}' = {bound[expected]}"
+                    )
+            dtype = getattr(entry, "dtype", None)
+            if dtype is not None and tensor.dtype != dtype:
+                raise TypeError(
+                    f"input '{entry.name}' must be {dtype}, got {tensor.dtype}; convert it (e.g. tensor.to({dtype}))"
+                )
+
+    # --------------------------------------------------------- initialization
+    def _initialize_from_torch(self, input_names, inputs):
+        """Export the torch model with this first batch and build the sessions."""
+        module = self._module_for_export()
+        desc = self.model_desc
+        label_count = 1 if self.loss_fn is not None else 0
+        forward_names = input_names[: len(input_names) - label_count]
+        signature = inspect.signature(module.forward).parameters
+        not_in_forward = [name for name in forward_names if name not in signature]
+        if not_in_forward:
+            raise ValueError(f"inputs {not_in_forward} are not parameters of {type(module).__name__}.forward{tuple(signature)}")
+        cpu_inputs = [tensor.cpu() for tensor in inputs]
+        outputs = export.sample_outputs(module, self.loss_fn, forward_names, cpu_inputs)
+        if desc is None:
+            desc = infer_model_desc(input_names, cpu_inputs, outputs)
+            self.model_desc = _ORTTrainerModelDesc(desc)
+        outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+        loss_output = self.model_desc.loss_output
+        loss_index = [entry.name for entry in self.model_desc.outputs].index(loss_output.name)
+        if len(outputs) != len(self.model_desc.outputs):
+            raise ValueError(
+                f"model_desc lists {len(self.model_desc.outputs)} outputs but the model"
+                + (" + loss_fn" if self.loss_fn else "")
+                + f" returns {len(outputs)}"
+            )
+        loss = outputs[loss_index]
+        if loss.dim() != 0 or not loss.is_floating_point():
+            raise ValueError(
+                f"the loss output '{loss_output.name}' must be a floating-point scalar, got shape {list(loss.shape)} "
+                f"dtype {loss.dtype}; reduce it (e.g. .mean()) in the model or loss_fn"
+            )
+        state = {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}  # export runs BN
+        onnx_model = export.export_to_onnx(
+            module,
+            self.loss_fn,
+            forward_names,
+            cpu_inputs,
+            [(entry.name, entry.shape) for entry in self.model_desc.inputs],
+            [(entry.name, entry.shape) for entry in self.model_desc.outputs],
+            self.options._internal_use.onnx_opset_version,
+        )
+        initializers = {init.name for init in onnx_model.graph.initializer}
+        frozen_names = set(self.options.utils.frozen_weights)
+        trainable = [
+            name
+            for name, parameter in module.named_parameters()
+            if parameter.requires_grad and name in initializers and name not in frozen_names
+        ]
+        frozen = [name for name in state if name in initializers and name not in trainable]
+        for name, _ in module.named_buffers():
+            if name not in self.options.utils.frozen_weights:
+                self.options.utils.frozen_weights.append(name)
+        weights = {name: state[name].to(self._device).contiguous() for name in trainable + frozen}
+        self._batch_counters = {
+            f"{path}.num_batches_tracked": state[f"{path}.num_batches_tracked"]
+            for path, layer in module.named_modules()
+            if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm) and layer.track_running_stats
+        }
+        self._onnx_model = onnx_model
+        self._build(onnx_model, weights, trainable)
+        for index, tensor in enumerate(outputs):
+            self.model_desc.add_type_to_output_description(index, tensor.dtype)
+        if self.options.debug.check_model_export:
+            self._check_model_export(cpu_inputs, outputs)
+
+    def _module_for_export(self):
+        """A CPU copy of the user's module, so that the user's module is never touched."""
+        model = self._torch_model
+        for path, layer in model.named_modules():
+            if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm) and layer.track_running_stats and layer.momentum is None:
+                raise NotImplementedError(
+                    f"module '{path}' ({type(layer).__name__}) uses momentum=None (cumulative average); set a momentum"
+                )
+        try:
+            return copy.deepcopy(model).cpu()
+        except Exception as error:  # deepcopy of arbitrary user modules can fail in many ways
+            warnings.warn(f"could not deep-copy the model ({error}); exporting the original module, which is left unchanged")
+            return model
+
+    def _initialize_from_onnx(self):
+        """An ONNX forward+loss model: float initializers not frozen are trained."""
+        model = self._onnx_model
+        graph.name_unnamed_nodes(model.graph)
+        if self.model_desc is None:
+            initializer_names = {init.name for init in model.graph.initializer}
+            inputs = [(i.name, _shape_of(i)) for i in model.graph.input if i.name not in initializer_names]
+            outputs = [(o.name, _shape_of(o), index == 0) for index, o in enumerate(model.graph.output)]
+            self.model_desc = _ORTTrainerModelDesc({"inputs": inputs, "outputs": outputs})
+        frozen_names = set(self.options.utils.frozen_weights)
+        weights = {
+            init.name: torch.from_numpy(numpy_helper.to_array(init).copy()).to(self._device)
+            for init in model.graph.initializer
+            if _is_floating(init.data_type)
+        }
+        trainable = [name for name in weights if name not in frozen_names]
+        self._batch_counters = {}
+        self._build(model, weights, trainable)
+
+    def _build(self, onnx_model, weights, trainable):
+        """Gradient/eval graphs, sessions, bindings of weights and gradient buffers."""
+        loss_name = self.model_desc.loss_output.name
+        output_names = [entry.name for entry in self.model_desc.outputs]
+        frozen = [name for name in weights if name not in trainable]
+        graphs = graph.build_training_graphs(onnx_model, trainable, frozen, loss_name, output_names)
+        self._save_debug_graphs(graphs)
+        debug = self.options.debug
+        options = session.session_options(
+            self.options.session_options,
+            debug.deterministic_compute,
+            debug.graph_save_paths.model_with_training_graph_after_optimization_path,
+        )
+        self._train_session = session.TorchBoundSession(graphs.train, self._device, self._providers, options)
+        self._eval_session = session.TorchBoundSession(graphs.eval, self._device, self._providers, options)
+        self._record_input_types(graphs.eval)
+        self._weights = weights
+        for bound in (self._train_session, self._eval_session):
+            for name, tensor in weights.items():
+                if name in bound.input_names:
+                    bound.bind_input(name, tensor)
+        self._grads = {name: torch.zeros_like(weights[name]) for name in trainable}
+        self._gradient_outputs = graphs.gradient_outputs
+        self._bind_gradients(self._grads)
+        self._accumulation_scratch = None
+        self._running_stats = {}
+        for output_name, buffer_name in graphs.running_stat_outputs.items():
+            scratch = torch.empty_like(weights[buffer_name])
+            self._train_session.bind_output(output_name, scratch)
+            self._running_stats[output_name] = (scratch, weights[buffer_name])
+        self._train_session.allocate_outputs(output_names)
+        self._optimizer = _update.make_optimizer(
+            self.optim_config, {name: weights[name] for name in trainable}, self.options.utils.grad_norm_clip
+        )
+        self._training_session = self._train_session
+
+    def _bind_gradients(self, buffers):
+        for name, tensor in buffers.items():
+            self._train_session.bind_output(self._gradient_outputs[name], tensor)
+        self._gradients_bound_to = buffers
+
+    def _record_input_types(self, eval_model):
+        types = {graph_input.name: graph_input.type.tensor_type.elem_type for graph_input in eval_model.graph.input}
+        for index, entry in enumerate(self.model_desc.inputs):
+            if entry.name in types:
+                self.model_desc.add_type_to_input_description(index, session.torch_dtype(types[entry.name]))
+
+    def _save_debug_graphs(self, graphs):
+        paths = self.options.debug.graph_save_paths
+        if paths.model_with_gradient_graph_path:
+            onnx.save(graphs.train, paths.model_with_gradient_graph_path)
+        if paths.model_with_training_graph_path:
+            onnx.save(graphs.train, paths.model_with_training_graph_path)
+        if paths.model_after_graph_transforms_path:
+            onnx.save(graphs.eval, paths.model_after_graph_transforms_path)
+
+    def _check_model_export(self, inputs, torch_outputs):
+        """debug.check_model_export: the eval graph must reproduce torch's eval-mode outputs."""
+        onnx_outputs = self._run_eval([tensor.to(self._device) for tensor in inputs], [e.name for e in self.model_desc.outputs])
+        for entry, expected, actual in zip(self.model_desc.outputs, torch_outputs, onnx_outputs):
+            if not torch.allclose(expected, actual.cpu(), rtol=1e-2, atol=1e-6):
+                difference = (expected - actual.cpu()).abs().max().item()
+                raise AssertionError(
+                    f"debug.check_model_export: ONNX output '{entry.name}' differs from torch (max abs difference {difference})"
+                )
+
+    def _ensure_initialized(self, args, kwargs):
+        input_names, inputs = self._gather_inputs(args, kwargs)
+        if self._training_session is None:
+            self._initialize_from_torch(input_names, inputs)
+            input_names, inputs = self._gather_inputs(args, kwargs)  # now checked against the typed model_desc
+        return inputs
+
+    # ------------------------------------------------------------------ steps
+    def _requested_outputs(self):
+        names = [entry.name for entry in self.model_desc.outputs]
+        fetches = self._train_step_info.fetches
+        if not fetches:
+            return names
+        unknown = [name for name in fetches if name not in names]
+        if unknown:
+            raise RuntimeError(f"The specified fetches list contains invalid output names {unknown}; outputs are {names}")
+        return list(fetches)
+
+    def _bind_batch(self, bound, inputs):
+        for entry, tensor in zip(self.model_desc.inputs, inputs):
+            if entry.name in bound.input_names:
+                bound.bind_input(entry.name, tensor)
+
+    def _dropout_seed(self, step):
+        digest = hashlib.sha256(f"{self._seed}:{step}".encode()).digest()
+        return int.from_bytes(digest[:8], "little") >> 1
+
+    def train_step(self, *args, **kwargs):
+        """One forward/backward on this batch; an optimizer update every N-th call.
+
+        Returns the outputs in model_desc order (or ``fetches`` order), one tensor bare.
+        """
+        inputs = self._ensure_initialized(args, kwargs)
+        requested = self._requested_outputs()
+        info = self._train_step_info
+        accumulation = self.options.batch.gradient_accumulation_steps
+        starts_window = info.step % accumulation == 0
+        info.step += 1
+        self._bind_batch(self._train_session, inputs)
+        if starts_window and self._gradients_bound_to is not self._grads:
+            self._bind_gradients(self._grads)
+        elif not starts_window and self._gradients_bound_to is self._grads:
+            if self._accumulation_scratch is None:
+                self._accumulation_scratch = {name: torch.empty_like(grad) for name, grad in self._grads.items()}
+            self._bind_gradients(self._accumulation_scratch)
+        onnxruntime.set_seed(self._dropout_seed(info.step))
+        outputs = self._train_session.run()
+        for scratch, buffer in self._running_stats.values():
+            buffer.copy_(scratch)
+        for counter in self._batch_counters.values():
+            counter += 1
+        if not starts_window:
+            torch._foreach_add_(list(self._grads.values()), list(self._accumulation_scratch.values()))
+        lr = self._learning_rate()
+        if info.step % accumulation == 0:
+            self._optimizer.step(list(self._grads.values()), lr, 1.0 / accumulation)
+            info.optimization_step += 1
+        return self._select_outputs(outputs, requested)
+
+    def _learning_rate(self):
+        scheduler = self.options.lr_scheduler
+        if scheduler is None:
+            return self.optim_config.lr
+        return scheduler._step(self._train_step_info)[0]
+
+    def _select_outputs(self, outputs, requested):
+        by_name = dict(zip([entry.name for entry in self.model_desc.outputs], outputs))
+        selected = [by_name[name] for name in requested]
+        return selected[0] if len(selected) == 1 else selected
+
+    def _run_eval(self, inputs, requested):
+        self._bind_batch(self._eval_session, inputs)
+        self._eval_session.allocate_outputs(requested)
+        return self._eval_session.run()
+
+    def eval_step(self, *args, **kwargs):
+        """Forward only, in inference mode (dropout off, BatchNorm on running statistics)."""
+        inputs = self._ensure_initialized(args, kwargs)
+        requested = self._requested_outputs()
+        outputs = self._run_eval(inputs, requested)
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    # ----------------------------------------------------------------- export
+    def save_as_onnx(self, path):
+        """Write the forward+loss model with the current weights (an inference model)."""
+        if self._training_session is None:
+            warnings.warn("the trainer is not initialized yet: run train_step or eval_step once before save_as_onnx")
+            return
+        model = self._onnx_model
+        for initializer in model.graph.initializer:
+            if initializer.name in self._weights:
+                initializer.CopyFrom(numpy_helper.from_array(self._weights[initializer.name].cpu().numpy(), initializer.name))
+        inference_model = copy.deepcopy(model)
+        graph.set_inference_mode(inference_model)
+        onnx.save(inference_model, path)
+
+
+def _shape_of(value_info):
+    return [dim.dim_param if dim.dim_param else dim.dim_value for dim in value_info.type.tensor_type.shape.dim]
