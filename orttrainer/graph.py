@@ -4,8 +4,8 @@ This is the only module that touches onnxruntime-training internals
 (``GradientGraphBuilder``, ``get_optimized_model``), so that a new ONNX Runtime version
 changes one file.
 
-Training graph outputs, in order: the model_desc outputs, the updated running statistics
-of every BatchNormalization (``running_stat_outputs``), then ``<weight>_grad`` for every
+Training graph outputs, in order: the model_desc outputs, the new running statistics
+of every BatchNormalization (``running_statistics``), then ``<weight>_grad`` for every
 trainable weight (``gradient_outputs``). Weights are graph inputs in both graphs, so both
 sessions read the same torch memory.
 """
@@ -51,7 +51,7 @@ class TrainingGraphs:
     train: onnx.ModelProto
     eval: onnx.ModelProto
     gradient_outputs: dict = field(default_factory=dict)  # weight name -> gradient output name
-    running_stat_outputs: dict = field(default_factory=dict)  # output name -> running-stat input name
+    running_statistics: list = field(default_factory=list)  # RunningStatistics per BatchNormalization
 
 
 def module_path(node_name: str) -> str:
@@ -69,6 +69,11 @@ def module_path(node_name: str) -> str:
 def describe_node(node: onnx.NodeProto) -> str:
     where = module_path(node.name)
     return f"{node.op_type} (node '{node.name}'" + (f", module '{where}')" if where else ")")
+
+
+def batch_norm_statistics(model: onnx.ModelProto) -> set:
+    """Names of the running mean/var inputs of BatchNormalization nodes (buffers, not weights)."""
+    return {name for node in model.graph.node if node.op_type == "BatchNormalization" for name in node.input[3:5]}
 
 
 def _with_ir_version(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -151,41 +156,49 @@ def _add_outputs_needed_by_gradients(model: onnx.ModelProto) -> None:
                 node.output[index] = f"{node.name}.output{index}"
 
 
-def _expose_running_statistics(model: onnx.ModelProto, input_names) -> dict:
-    """Make every training-mode BatchNormalization's new running mean/var graph outputs.
+@dataclass
+class RunningStatistics:
+    """Where one training-mode BatchNormalization puts its new running statistics.
 
-    ONNX Runtime updates the running variance with the biased batch variance; torch uses
-    the unbiased one. The added nodes rescale it so the result equals torch's:
-    ``new = ort_new + (ort_new - momentum * old) / (n - 1)`` with n values per channel.
-    Returns {output name: running-stat input name}.
+    ONNX Runtime updates the running variance with the *biased* batch variance (torch
+    uses the unbiased one) and writes the new statistics into the running-stat inputs
+    in place; ``count_output`` (values per channel) lets the trainer correct the variance.
     """
+
+    mean_input: str
+    var_input: str
+    mean_output: str
+    var_output: str
+    count_output: str
+    momentum: float  # ONNX convention: new = momentum * old + (1 - momentum) * batch
+
+
+def _expose_running_statistics(model: onnx.ModelProto, input_names) -> list:
+    """Make every training-mode BatchNormalization's running statistics graph outputs."""
     graph = model.graph
-    outputs = {}
-    added = []
-    for node in graph.node:
+    found = []
+    for node in list(graph.node):
         if node.op_type != "BatchNormalization" or len(node.output) < 3:
             continue
         x, running_mean, running_var = node.input[0], node.input[3], node.input[4]
         if running_mean not in input_names or running_var not in input_names:
             continue
         momentum = next((attribute.f for attribute in node.attribute if attribute.name == "momentum"), 0.9)
-        prefix = f"{node.name}.unbiased_var"
-        added += [
-            helper.make_node("Size", [x], [f"{prefix}.x_size"], name=f"{prefix}.x_size"),
-            helper.make_node("Size", [running_mean], [f"{prefix}.channels"], name=f"{prefix}.channels"),
-            helper.make_node("Div", [f"{prefix}.x_size", f"{prefix}.channels"], [f"{prefix}.n"], name=f"{prefix}.n"),
-            helper.make_node("Cast", [f"{prefix}.n"], [f"{prefix}.n_float"], name=f"{prefix}.n_float", to=onnx.TensorProto.FLOAT),
-            helper.make_node("Sub", [f"{prefix}.n_float", _constant(graph, f"{prefix}.one", np.array(1.0, np.float32))], [f"{prefix}.n_minus_1"], name=f"{prefix}.n_minus_1"),
-            helper.make_node("Mul", [running_var, _constant(graph, f"{prefix}.momentum", np.array(momentum, np.float32))], [f"{prefix}.decayed"], name=f"{prefix}.decayed"),
-            helper.make_node("Sub", [node.output[2], f"{prefix}.decayed"], [f"{prefix}.batch_part"], name=f"{prefix}.batch_part"),
-            helper.make_node("Div", [f"{prefix}.batch_part", f"{prefix}.n_minus_1"], [f"{prefix}.correction"], name=f"{prefix}.correction"),
-            helper.make_node("Add", [node.output[2], f"{prefix}.correction"], [prefix], name=prefix),
-        ]
-        outputs[node.output[1]] = running_mean
-        outputs[prefix] = running_var
-    graph.node.extend(added)
-    graph.output.extend(helper.make_empty_tensor_value_info(name) for name in outputs)
-    return outputs
+        count = f"{node.name}.values_per_channel"
+        graph.node.extend(
+            [
+                helper.make_node("Size", [x], [f"{count}.total"], name=f"{count}.total"),
+                helper.make_node("Size", [running_mean], [f"{count}.channels"], name=f"{count}.channels"),
+                helper.make_node("Div", [f"{count}.total", f"{count}.channels"], [count], name=count),
+            ]
+        )
+        found.append(RunningStatistics(running_mean, running_var, node.output[1], node.output[2], count, momentum))
+    graph.output.extend(
+        helper.make_empty_tensor_value_info(name)
+        for stats in found
+        for name in (stats.mean_output, stats.var_output, stats.count_output)
+    )
+    return found
 
 
 # elem_type 0: shape inference could not tell, so assume it may carry a gradient.
@@ -256,7 +269,7 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     check_differentiable(model, trainable, loss_name)
     input_names = {graph_input.name for graph_input in model.graph.input}
     _force_dropout_training_mode(model)
-    running_stat_outputs = _expose_running_statistics(model, input_names)
+    running_statistics = _expose_running_statistics(model, input_names)
     options = _quiet_session_options()
     optimized = onnx.load_from_string(get_optimized_model(model.SerializeToString(), set(trainable), options))
     _add_outputs_needed_by_gradients(optimized)
@@ -272,9 +285,10 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     missing = [name for name in gradient_outputs.values() if name not in by_name]
     if missing:
         raise GradientBuildError(f"the gradient graph has no output for {missing}: these weights do not reach the loss")
-    ordered = list(output_names) + list(running_stat_outputs) + list(gradient_outputs.values())
+    stat_outputs = [name for stats in running_statistics for name in (stats.mean_output, stats.var_output, stats.count_output)]
+    ordered = list(output_names) + stat_outputs + list(gradient_outputs.values())
     del train_model.graph.output[:]
     train_model.graph.output.extend(
         by_name[name] if name in by_name else helper.make_empty_tensor_value_info(name) for name in ordered
     )
-    return TrainingGraphs(_with_ir_version(train_model), eval_model, gradient_outputs, running_stat_outputs)
+    return TrainingGraphs(_with_ir_version(train_model), eval_model, gradient_outputs, running_statistics)

@@ -87,6 +87,34 @@ def _check_supported(options):
         raise NotImplementedError(f"orttrainer does not implement these options yet: {', '.join(used)}")
 
 
+class _BatchNormStatistics:
+    """Carries one BatchNorm's running statistics back into the trainer's buffers as torch computes them.
+
+    ONNX Runtime overwrites the running-stat inputs in place and uses the biased batch
+    variance; torch uses the unbiased one. With the old variance saved before the run,
+    ``new = ort + (ort - momentum * old) / (n - 1)`` is torch's value.
+    """
+
+    def __init__(self, stats, weights, bound_session):
+        self.mean = weights[stats.mean_input]
+        self.var = weights[stats.var_input]
+        self.momentum = stats.momentum
+        self.new_mean = torch.empty_like(self.mean)
+        self.new_var = torch.empty_like(self.var)
+        self.old_var = torch.empty_like(self.var)
+        self.count = torch.empty((), dtype=torch.int64, device=self.var.device)
+        bound_session.bind_output(stats.mean_output, self.new_mean)
+        bound_session.bind_output(stats.var_output, self.new_var)
+        bound_session.bind_output(stats.count_output, self.count)
+
+    def save_old(self):
+        self.old_var.copy_(self.var)
+
+    def update(self):
+        self.mean.copy_(self.new_mean)
+        self.var.copy_(self.new_var + (self.new_var - self.momentum * self.old_var) / (self.count - 1))
+
+
 def _is_floating(elem_type: int) -> bool:
     return session.torch_dtype(elem_type).is_floating_point
 
@@ -133,8 +161,7 @@ class ORTTrainer:
             if len(tensors) != len(names):
                 raise ValueError(f"expected {len(names)} inputs {names}, got {len(tensors)}")
         else:
-            tensors = list(args) + list(kwargs.values())
-            names = self._infer_input_names(len(args), list(kwargs))
+            names, tensors = self._name_inputs(args, kwargs)
         for name, tensor in zip(names, tensors):
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"input '{name}' must be a torch.Tensor, got {type(tensor).__name__}")
@@ -142,10 +169,20 @@ class ORTTrainer:
             self._check_against_model_desc(tensors)
         return names, [tensor.to(self._device).contiguous() for tensor in tensors]
 
-    def _infer_input_names(self, positional_count, keyword_names):
-        label_count = 1 if self.loss_fn is not None else 0
-        names = forward_input_names(self._torch_model, positional_count - label_count) + keyword_names
-        return names + [LABEL_NAME] * label_count
+    def _name_inputs(self, args, kwargs):
+        """Without model_desc: positional inputs named by forward's signature, keywords by
+        their own name, and the label (last positional, or keyword 'label') last."""
+        kwargs = dict(kwargs)
+        label = []
+        if self.loss_fn is not None:
+            if LABEL_NAME in kwargs:
+                label = [kwargs.pop(LABEL_NAME)]
+            elif args:
+                args, label = args[:-1], [args[-1]]
+            else:
+                raise ValueError(f"a loss_fn is set, so the batch needs a label: the last positional input or '{LABEL_NAME}='")
+        names = forward_input_names(self._torch_model, len(args)) + list(kwargs) + [LABEL_NAME] * len(label)
+        return names, list(args) + list(kwargs.values()) + label
 
     def _check_against_model_desc(self, tensors):
         bound = {}
@@ -251,7 +288,7 @@ class ORTTrainer:
             return model
 
     def _initialize_from_onnx(self):
-        """An ONNX forward+loss model: float initializers not frozen are trained."""
+        """An ONNX forward+loss model: float initializers are trained unless frozen or BatchNorm statistics."""
         model = self._onnx_model
         graph.name_unnamed_nodes(model.graph)
         if self.model_desc is None:
@@ -265,7 +302,8 @@ class ORTTrainer:
             for init in model.graph.initializer
             if _is_floating(init.data_type)
         }
-        trainable = [name for name in weights if name not in frozen_names]
+        buffers = graph.batch_norm_statistics(model)
+        trainable = [name for name in weights if name not in frozen_names and name not in buffers]
         self._batch_counters = {}
         self._build(model, weights, trainable)
 
@@ -294,11 +332,7 @@ class ORTTrainer:
         self._gradient_outputs = graphs.gradient_outputs
         self._bind_gradients(self._grads)
         self._accumulation_scratch = None
-        self._running_stats = {}
-        for output_name, buffer_name in graphs.running_stat_outputs.items():
-            scratch = torch.empty_like(weights[buffer_name])
-            self._train_session.bind_output(output_name, scratch)
-            self._running_stats[output_name] = (scratch, weights[buffer_name])
+        self._batch_norms = [_BatchNormStatistics(stats, weights, self._train_session) for stats in graphs.running_statistics]
         self._train_session.allocate_outputs(output_names)
         self._optimizer = _update.make_optimizer(
             self.optim_config, {name: weights[name] for name in trainable}, self.options.utils.grad_norm_clip
@@ -381,9 +415,11 @@ class ORTTrainer:
                 self._accumulation_scratch = {name: torch.empty_like(grad) for name, grad in self._grads.items()}
             self._bind_gradients(self._accumulation_scratch)
         onnxruntime.set_seed(self._dropout_seed(info.step))
+        for batch_norm in self._batch_norms:
+            batch_norm.save_old()
         outputs = self._train_session.run()
-        for scratch, buffer in self._running_stats.values():
-            buffer.copy_(scratch)
+        for batch_norm in self._batch_norms:
+            batch_norm.update()
         for counter in self._batch_counters.values():
             counter += 1
         if not starts_window:
@@ -416,6 +452,25 @@ class ORTTrainer:
         requested = self._requested_outputs()
         outputs = self._run_eval(inputs, requested)
         return outputs[0] if len(outputs) == 1 else outputs
+
+    # ------------------------------------------------------------- state dict
+    def _model_state(self):
+        """{name: CPU copy} of every weight and buffer, named like torch's state_dict()."""
+        tensors = dict(self._weights)
+        tensors.update(self._batch_counters)
+        return {name: tensor.detach().cpu().clone() for name, tensor in tensors.items()}
+
+    def state_dict(self, pytorch_format=False):
+        """The trainer's state; with ``pytorch_format`` the flat {name: tensor} torch modules load."""
+        if self._training_session is None:
+            warnings.warn(
+                "ONNX Runtime training session is not initialized yet. Please run train_step or eval_step "
+                "at least once before calling ORTTrainer.state_dict()."
+            )
+            return {}
+        if pytorch_format:
+            return self._model_state()
+        raise NotImplementedError("the legacy state_dict layout arrives with checkpoint support")
 
     # ----------------------------------------------------------------- export
     def save_as_onnx(self, path):

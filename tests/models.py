@@ -1,0 +1,115 @@
+"""Real models used across the tests: MLP, CNN with BatchNorm, transformer encoder, and variants."""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB = 50
+SEQ = 12
+
+
+class MLP(nn.Module):
+    def __init__(self, inputs=32, hidden=64, classes=10):
+        super().__init__()
+        self.fc1 = nn.Linear(inputs, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        return self.head(F.gelu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+class CNN(nn.Module):
+    """Conv + BatchNorm2d + MaxPool + Dropout, on 1x16x16 images."""
+
+    def __init__(self, dropout=0.0, classes=10):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(8, 16, 3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
+        self.dropout = nn.Dropout(dropout)
+        self.head = nn.Linear(16 * 4 * 4, classes)
+
+    def forward(self, images):
+        return self.head(self.dropout(self.features(images).flatten(1)))
+
+
+class Encoder(nn.Module):
+    """Token + position embeddings, one TransformerEncoderLayer, LayerNorm, LM head."""
+
+    def __init__(self, dropout=0.0, d_model=32, heads=4):
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, d_model)
+        self.positions = nn.Parameter(torch.randn(1, SEQ, d_model) * 0.1)
+        self.layer = nn.TransformerEncoderLayer(
+            d_model, heads, 2 * d_model, dropout=dropout, batch_first=True, activation="gelu"
+        )
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, VOCAB)
+
+    def forward(self, tokens):
+        return self.head(self.norm(self.layer(self.tokens(tokens) + self.positions)))
+
+
+def lm_loss(logits, labels):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+class TwoHeads(nn.Module):
+    """Returns (regression, classification) from a shared trunk."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(16, 32)
+        self.regress = nn.Linear(32, 1)
+        self.classify = nn.Linear(32, 4)
+
+    def forward(self, x):
+        hidden = torch.tanh(self.trunk(x))
+        return self.regress(hidden).squeeze(-1), self.classify(hidden)
+
+
+def two_head_loss(outputs, target):
+    """A custom loss over both outputs; ``target`` holds [value, class] per row."""
+    value, logits = outputs
+    return F.mse_loss(value, target[:, 0]) + F.cross_entropy(logits, target[:, 1].long())
+
+
+class MLPWithLoss(nn.Module):
+    """Computes its own loss: forward(x, label) -> (loss, logits)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = MLP()
+
+    def forward(self, x, label):
+        logits = self.mlp(x)
+        return F.cross_entropy(logits, label), logits
+
+
+def mlp_batch(batch=8, generator=None):
+    return torch.randn(batch, 32, generator=generator), torch.randint(0, 10, (batch,), generator=generator)
+
+
+def cnn_batch(batch=8, generator=None):
+    return torch.randn(batch, 1, 16, 16, generator=generator), torch.randint(0, 10, (batch,), generator=generator)
+
+
+def token_batch(batch=4, generator=None):
+    return (
+        torch.randint(0, VOCAB, (batch, SEQ), generator=generator),
+        torch.randint(0, VOCAB, (batch, SEQ), generator=generator),
+    )
+
+
+def two_head_batch(batch=8, generator=None):
+    x = torch.randn(batch, 16, generator=generator)
+    target = torch.stack([torch.randn(batch, generator=generator), torch.randint(0, 4, (batch,), generator=generator).float()], 1)
+    return x, target

@@ -1,0 +1,50 @@
+"""Train the same model with orttrainer and with a plain torch loop and compare step by step."""
+
+import copy
+
+import torch
+
+from orttrainer import ORTTrainer, ORTTrainerOptions
+
+
+def cpu_options(extra=None):
+    options = {"device": {"id": "cpu"}}
+    for key, value in (extra or {}).items():
+        options[key] = value
+    return ORTTrainerOptions(options)
+
+
+def assert_close_state(trainer, reference: torch.nn.Module, atol=1e-5, rtol=1e-5, step=None):
+    """Every parameter and buffer the trainer holds equals the torch module's."""
+    trained = trainer.state_dict(pytorch_format=True)
+    expected = reference.state_dict()
+    assert set(trained) <= set(expected), f"unexpected names {set(trained) - set(expected)}"
+    for name, tensor in trained.items():
+        torch.testing.assert_close(
+            tensor, expected[name], atol=atol, rtol=rtol, msg=lambda m: f"step {step}, '{name}': {m}"
+        )
+
+
+def run_parity(model, batches, optim_config, torch_optimizer, loss_fn=None, options=None, model_desc=None,
+               reference_loss=None, atol=1e-5):
+    """Train ``model`` with ORTTrainer and a deep copy with ``torch_optimizer``; compare every step.
+
+    ``reference_loss(module, batch)`` computes the torch loss (default: loss_fn on the output).
+    Returns the trainer and the reference module.
+    """
+    reference = copy.deepcopy(model)
+    trainer = ORTTrainer(model, model_desc, optim_config, loss_fn=loss_fn, options=options or cpu_options())
+    optimizer = torch_optimizer(reference.parameters())
+    for step, batch in enumerate(batches, 1):
+        outputs = trainer.train_step(*batch)
+        ort_loss = outputs[0] if isinstance(outputs, list) else outputs
+        optimizer.zero_grad()
+        if reference_loss is None:
+            loss = loss_fn(reference(*batch[:-1]), batch[-1])
+        else:
+            loss = reference_loss(reference, batch)
+        loss.backward()
+        optimizer.step()
+        torch.testing.assert_close(ort_loss, loss.detach(), atol=atol, rtol=1e-5, msg=lambda m: f"loss at step {step}: {m}")
+        assert_close_state(trainer, reference, atol=atol, step=step)
+    return trainer, reference

@@ -1,0 +1,178 @@
+"""Bad input: a specific exception naming the culprit, raised before any state changes."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from models import MLP, CNN, cnn_batch, mlp_batch
+from parity import cpu_options
+
+from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+
+MLP_DESC = {"inputs": [("x", ["batch", 32]), ("label", ["batch"])], "outputs": [("loss", [], True), ("logits", ["batch", 10])]}
+
+
+def make_trainer(model_desc=None, model=None, **kwargs):
+    torch.manual_seed(0)
+    return ORTTrainer(model or MLP(), model_desc, optim.SGDConfig(lr=0.1), loss_fn=kwargs.pop("loss_fn", F.cross_entropy),
+                      options=cpu_options(), **kwargs)
+
+
+def assert_untouched(trainer, before):
+    info = trainer._train_step_info
+    assert (info.step, info.optimization_step) == before[0]
+    if trainer._training_session is not None:
+        for name, tensor in trainer.state_dict(pytorch_format=True).items():
+            assert torch.equal(tensor, before[1][name]), f"{name} changed"
+
+
+def snapshot(trainer):
+    info = trainer._train_step_info
+    weights = trainer.state_dict(pytorch_format=True) if trainer._training_session is not None else {}
+    return (info.step, info.optimization_step), weights
+
+
+@pytest.mark.parametrize("initialized", [False, True])
+def test_wrong_number_of_inputs(initialized):
+    trainer = make_trainer(MLP_DESC)
+    if initialized:
+        trainer.train_step(*mlp_batch())
+    before = snapshot(trainer)
+    x, _ = mlp_batch()
+    with pytest.raises(ValueError, match=r"expected 2 inputs \['x', 'label'\], got 1"):
+        trainer.train_step(x)
+    assert_untouched(trainer, before)
+
+
+def test_float64_input_for_float32_is_refused_with_names():
+    trainer = make_trainer(MLP_DESC)
+    x, y = mlp_batch()
+    trainer.train_step(x, y)
+    before = snapshot(trainer)
+    with pytest.raises(TypeError, match=r"input 'x' must be torch.float32, got torch.float64"):
+        trainer.train_step(x.double(), y)
+    assert_untouched(trainer, before)
+
+
+def test_int32_labels_for_int64_are_refused_with_a_fix():
+    trainer = make_trainer(MLP_DESC)
+    x, y = mlp_batch()
+    trainer.train_step(x, y)
+    with pytest.raises(TypeError, match=r"input 'label' must be torch.int64, got torch.int32; convert it"):
+        trainer.eval_step(x, y.int())
+
+
+def test_shape_contradicting_a_static_dim():
+    trainer = make_trainer(MLP_DESC)
+    with pytest.raises(ValueError, match=r"input 'x' dimension 1 must be 32 .* got shape \[8, 31\]"):
+        trainer.train_step(torch.randn(8, 31), torch.zeros(8, dtype=torch.long))
+    assert trainer._training_session is None, "nothing may be built from a rejected batch"
+
+
+def test_wrong_rank_and_inconsistent_symbolic_dims():
+    trainer = make_trainer(MLP_DESC)
+    with pytest.raises(ValueError, match=r"input 'x' must have 2 dimensions"):
+        trainer.train_step(torch.randn(8, 32, 1), torch.zeros(8, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"input 'label' dimension 0 \('batch'\) is 7, but another input has 'batch' = 8"):
+        trainer.train_step(torch.randn(8, 32), torch.zeros(7, dtype=torch.long))
+
+
+def test_non_scalar_loss():
+    trainer = make_trainer(loss_fn=lambda output, label: F.cross_entropy(output, label, reduction="none"))
+    with pytest.raises(ValueError, match=r"the loss output 'loss' must be a floating-point scalar, got shape \[8\]"):
+        trainer.train_step(*mlp_batch())
+
+
+def test_unknown_option_keys_name_their_path():
+    with pytest.raises(ValueError, match=r"Invalid options: mixed_precision.enabeld: unknown field"):
+        ORTTrainerOptions({"mixed_precision": {"enabeld": True}})
+    with pytest.raises(ValueError, match=r"batch.gradient_accumulation_steps: min value is 1, got 0"):
+        ORTTrainerOptions({"batch": {"gradient_accumulation_steps": 0}})
+
+
+def test_unknown_fetch_names():
+    trainer = make_trainer(MLP_DESC)
+    trainer.train_step(*mlp_batch())
+    before = snapshot(trainer)
+    trainer._train_step_info.fetches = ["logits", "logitz"]
+    with pytest.raises(RuntimeError, match=r"invalid output names \['logitz'\]; outputs are \['loss', 'logits'\]"):
+        trainer.train_step(*mlp_batch())
+    trainer._train_step_info.fetches = []
+    assert_untouched(trainer, before)
+
+
+def test_fetches_select_outputs():
+    trainer = make_trainer(MLP_DESC)
+    trainer._train_step_info.fetches = ["logits"]
+    logits = trainer.train_step(*mlp_batch())
+    assert logits.shape == (8, 10)
+    trainer._train_step_info.fetches = ["logits", "loss"]
+    logits, loss = trainer.eval_step(*mlp_batch())
+    assert logits.shape == (8, 10) and loss.shape == ()
+
+
+def test_loss_fn_with_wrong_arity():
+    with pytest.raises(AssertionError, match=r"'loss_fn' must be either 'None' or a callable taking two arguments"):
+        make_trainer(loss_fn=lambda output: output.sum())
+    with pytest.raises(AssertionError, match=r"'loss_fn'"):
+        make_trainer(loss_fn=lambda a, b, c: a)
+
+
+def test_export_failure_is_wrapped_and_chained():
+    class Unexportable(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.fc(x) + torch.histc(x).sum()  # aten::histc has no ONNX symbolic
+
+    from orttrainer.export import ExportError
+
+    trainer = make_trainer(model=Unexportable(), loss_fn=F.mse_loss)
+    with pytest.raises(ExportError, match=r"torch.onnx.export of Unexportable failed: .*aten::histc") as caught:
+        trainer.train_step(torch.randn(3, 4), torch.randn(3, 2))
+    assert caught.value.__cause__ is not None
+    assert trainer._training_session is None
+
+
+def test_op_without_gradient_names_op_and_module():
+    class WithSoftplus(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 8)
+            self.block = nn.Sequential(nn.Linear(8, 8), nn.Softplus())
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.head(self.block(self.fc(x))).squeeze(-1)
+
+    from orttrainer.graph import GradientBuildError
+
+    trainer = make_trainer(model=WithSoftplus(), loss_fn=F.mse_loss)
+    with pytest.raises(GradientBuildError, match=r"Softplus \(node '/model/block/block.1/Softplus', module 'block.1'\)"):
+        trainer.train_step(torch.randn(3, 4), torch.randn(3))
+
+
+def test_wrong_constructor_arguments():
+    with pytest.raises(AssertionError, match="'optim_config' is required"):
+        ORTTrainer(MLP(), None, {"lr": 0.1})
+    with pytest.raises(ValueError, match="'model' must be either 'torch.nn.Module' or 'onnx.ModelProto', got str"):
+        ORTTrainer("model.onnx", None, optim.SGDConfig())
+    with pytest.raises(ValueError, match=r"Invalid model_desc: inputs\[0\]: must be a tuple with size 2"):
+        ORTTrainer(MLP(), {"inputs": [["x", [1]]], "outputs": [("loss", [], True)]}, optim.SGDConfig())
+
+
+def test_cuda_device_without_cuda_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA; the error is for machines without it")
+    with pytest.raises(RuntimeError, match=r"device.id is 'cuda' but torch sees no CUDA/ROCm device"):
+        ORTTrainer(MLP(), None, optim.SGDConfig(), loss_fn=F.cross_entropy, options=ORTTrainerOptions({"device": {"id": "cuda"}}))
+
+
+def test_batchnorm_with_cumulative_average_is_refused():
+    model = CNN()
+    model.features[1].momentum = None
+    trainer = make_trainer(model=model)
+    with pytest.raises(NotImplementedError, match=r"module 'features.1' \(BatchNorm2d\) uses momentum=None"):
+        trainer.train_step(*cnn_batch())

@@ -1,0 +1,110 @@
+"""Dropout: active in train_step, off in eval_step, masks a function of (seed, step), correct gradients."""
+
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from models import CNN, Encoder, cnn_batch, lm_loss, token_batch
+from parity import cpu_options
+
+from orttrainer import ORTTrainer, optim
+
+
+def frozen_trainer(model, loss_fn):
+    """A trainer whose SGD step leaves weights unchanged (lr 0), to look at dropout alone."""
+    return ORTTrainer(model, None, optim.SGDConfig(lr=0.0), loss_fn=loss_fn, options=cpu_options())
+
+
+def test_dropout_active_in_train_step_and_off_in_eval_step():
+    torch.manual_seed(0)
+    model = CNN(dropout=0.5)
+    trainer = frozen_trainer(model, F.cross_entropy)
+    images, labels = cnn_batch(batch=16)
+    train_losses = [trainer.train_step(images, labels)[0].item() for _ in range(3)]
+    assert len(set(train_losses)) == 3, f"dropout masks did not change between steps: {train_losses}"
+
+    eval_loss, eval_logits = trainer.eval_step(images, labels)
+    again_loss, _ = trainer.eval_step(images, labels)
+    assert torch.equal(eval_loss, again_loss), "eval_step must be deterministic"
+
+    reference = copy.deepcopy(model).eval()
+    reference.load_state_dict(trainer.state_dict(pytorch_format=True))
+    with torch.no_grad():
+        torch.testing.assert_close(eval_logits, reference(images), atol=1e-5, rtol=1e-5)
+    assert all(abs(loss - eval_loss.item()) > 1e-4 for loss in train_losses)
+
+
+def test_dropout_masks_depend_only_on_seed_and_step():
+    images, labels = cnn_batch(batch=16, generator=torch.Generator().manual_seed(5))
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)  # the trainer takes its dropout seed from torch's
+        trainer = frozen_trainer(CNN(dropout=0.5), F.cross_entropy)
+        runs.append([trainer.train_step(images, labels)[0].item() for _ in range(3)])
+    assert runs[0] == runs[1]
+    assert len(set(runs[0])) == 3, f"steps 1-3 must use different masks: {runs[0]}"
+
+
+class Attention(nn.Module):
+    """Self-attention whose dropout is exported through scaled-dot-product attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(16, 2, dropout=0.5, batch_first=True)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(self.attention(x, x, x, need_weights=False)[0]).squeeze(-1)
+
+
+def _loss_and_weights_after_one_step(model, batch, lr):
+    torch.manual_seed(11)
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=lr), loss_fn=F.mse_loss, options=cpu_options())
+    loss = trainer.train_step(*batch)[0].item()
+    return loss, trainer.state_dict(pytorch_format=True)
+
+
+def test_attention_dropout_gradient_matches_finite_differences():
+    """With the same mask, the gradient is the derivative of the loss that step computed.
+
+    Exported attention dropout has no training-mode input: unless orttrainer forces one,
+    the forward skips dropout while the backward rescales, and the gradient is wrong.
+    """
+    torch.manual_seed(0)
+    model = Attention()
+    generator = torch.Generator().manual_seed(2)
+    batch = (torch.randn(4, 6, 16, generator=generator), torch.randn(4, 6, generator=generator))
+    weights = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+
+    lr = 1.0
+    loss, updated = _loss_and_weights_after_one_step(copy.deepcopy(model), batch, lr)
+    gradient = {name: (weights[name] - updated[name]) / lr for name in weights}
+
+    with torch.no_grad():
+        eval_loss = F.mse_loss(copy.deepcopy(model).eval()(batch[0]), batch[1]).item()
+    assert abs(loss - eval_loss) > 1e-3, "attention dropout did nothing in the training step"
+
+    direction = {name: torch.randn(tensor.shape, generator=generator) for name, tensor in weights.items()}
+    epsilon = 1e-3
+    losses = []
+    for sign in (1, -1):
+        shifted = copy.deepcopy(model)
+        shifted.load_state_dict({name: weights[name] + sign * epsilon * direction[name] for name in weights})
+        losses.append(_loss_and_weights_after_one_step(shifted, batch, 0.0)[0])
+    numeric = (losses[0] - losses[1]) / (2 * epsilon)
+    analytic = sum((gradient[name] * direction[name]).sum().item() for name in weights)
+    assert abs(numeric - analytic) <= 1e-2 * abs(analytic) + 1e-4, (numeric, analytic)
+
+
+def test_transformer_dropout_trains_and_eval_matches_torch_eval():
+    torch.manual_seed(0)
+    model = Encoder(dropout=0.2)
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=lm_loss, options=cpu_options())
+    tokens, labels = token_batch()
+    for _ in range(3):
+        trainer.train_step(tokens, labels)
+    reference = copy.deepcopy(model).eval()
+    reference.load_state_dict(trainer.state_dict(pytorch_format=True))
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.eval_step(tokens, labels)[1], reference(tokens), atol=1e-5, rtol=1e-4)

@@ -1,0 +1,71 @@
+"""model_desc: legacy schema validation and inference from the first batch."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import MLP, TwoHeads, mlp_batch, two_head_batch, two_head_loss
+from parity import cpu_options
+
+from orttrainer import ORTTrainer, optim
+from orttrainer.model_desc import _ORTTrainerModelDesc
+
+
+def test_legacy_form_is_normalised():
+    desc = _ORTTrainerModelDesc({"inputs": [("x", ["batch", 4])], "outputs": [("loss", [], True), ("y", ["batch"])]})
+    assert desc.inputs[0] == ("x", ["batch", 4])
+    assert desc.outputs[1].is_loss is False
+    assert desc.loss_output.name == "loss"
+    desc.add_type_to_input_description(0, torch.float32)
+    assert isinstance(desc.inputs[0], desc._InputDescriptionTyped) and desc.inputs[0][2] == torch.float32
+    desc.add_type_to_output_description(1, torch.float32, torch.float16)
+    assert desc.outputs[1].dtype_amp == torch.float16
+    assert "inputs:" in repr(desc)
+
+
+@pytest.mark.parametrize(
+    "desc, message",
+    [
+        ({"inputs": [("x", [1])]}, "outputs: required field"),
+        ({"inputz": [], "inputs": [("x", [1])], "outputs": [("y", [1])]}, "inputz: unknown field"),
+        ({"inputs": [("x", [1], True)], "outputs": [("y", [1])]}, r"inputs\[0\]: must be a tuple with size 2"),
+        ({"inputs": [(1, [1])], "outputs": [("y", [1])]}, r"inputs\[0\]: the first element of the tuple \(aka name\) must be a string"),
+        ({"inputs": [("x", (1,))], "outputs": [("y", [1])]}, r"inputs\[0\]: the second element of the tuple \(aka shape\) must be a list"),
+        ({"inputs": [("x", [True])], "outputs": [("y", [1])]}, r"inputs\[0\]: each shape must be either a string or integer"),
+        ({"inputs": [("x", [1])], "outputs": [("y", [1], "yes")]}, r"outputs\[0\]: the third element of the tuple \(aka is_loss\) must be a boolean"),
+        ({"inputs": [("x", [1])], "outputs": [("a", [], True), ("b", [], True)]}, r"outputs\[1\]: only one is_loss can be set to True"),
+        ({"inputs": [], "outputs": [("y", [1])]}, "inputs: must be a non-empty list"),
+    ],
+)
+def test_invalid_model_desc_names_the_entry(desc, message):
+    with pytest.raises(ValueError, match="Invalid model_desc: .*" + message):
+        _ORTTrainerModelDesc(desc)
+
+
+def test_no_loss_output_is_an_error():
+    desc = _ORTTrainerModelDesc({"inputs": [("x", [1])], "outputs": [("y", [1])]})
+    with pytest.raises(ValueError, match=r"exactly one output with is_loss=True \(0 were specified\)"):
+        desc.loss_output
+
+
+def test_inferred_from_first_batch_and_forward_signature():
+    torch.manual_seed(0)
+    trainer = ORTTrainer(MLP(), None, optim.SGDConfig(), loss_fn=F.cross_entropy, options=cpu_options())
+    trainer.train_step(*mlp_batch())
+    desc = trainer.model_desc
+    assert [(entry.name, entry.shape, entry.dtype) for entry in desc.inputs] == [
+        ("x", ["batch", 32], torch.float32),
+        ("label", ["batch"], torch.int64),
+    ]
+    assert [(entry.name, entry.shape, entry.is_loss) for entry in desc.outputs] == [
+        ("loss", [], True),
+        ("output", ["batch", 10], False),
+    ]
+
+
+def test_inferred_with_keyword_inputs_and_tuple_outputs():
+    torch.manual_seed(0)
+    trainer = ORTTrainer(TwoHeads(), None, optim.SGDConfig(), loss_fn=two_head_loss, options=cpu_options())
+    x, target = two_head_batch()
+    loss, value, logits = trainer.train_step(x=x, label=target)
+    assert [entry.name for entry in trainer.model_desc.inputs] == ["x", "label"]
+    assert value.shape == (8,) and logits.shape == (8, 4)

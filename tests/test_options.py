@@ -1,0 +1,77 @@
+"""ORTTrainerOptions: legacy schema, defaults, validation naming key paths."""
+
+import onnxruntime
+import pytest
+import torch
+from onnxruntime.training import PropagateCastOpsStrategy
+
+from orttrainer import ORTTrainerOptions, amp, optim
+
+
+def test_defaults_fill_every_group():
+    options = ORTTrainerOptions()
+    assert options.batch.gradient_accumulation_steps == 1
+    assert options.device.id == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert options.device.mem_limit == 0
+    assert options.distributed.deepspeed_zero_optimization.stage == 0
+    assert options.distributed.pipeline_parallel.sliced_schema == {}
+    assert options.graph_transformer.propagate_cast_ops_config.strategy == PropagateCastOpsStrategy.FLOOD_FILL
+    assert options.utils.grad_norm_clip is True
+    assert options.utils.frozen_weights == []
+    assert options._internal_use.onnx_opset_version == 17
+    assert options.lr_scheduler is None and options.mixed_precision.loss_scaler is None
+    assert options.session_options is None and options.provider_options == {}
+    assert options._validated_opts["debug"]["graph_save_paths"]["model_with_gradient_graph_path"] == ""
+
+
+def test_partial_nested_dict_keeps_given_values():
+    scheduler = optim.LinearWarmupLRScheduler(100, 0.1)
+    scaler = amp.DynamicLossScaler(loss_scale=128.0)
+    session_options = onnxruntime.SessionOptions()
+    options = ORTTrainerOptions({
+        "batch": {"gradient_accumulation_steps": 4},
+        "device": {"id": "cpu", "mem_limit": 1024},
+        "lr_scheduler": scheduler,
+        "mixed_precision": {"loss_scaler": scaler},
+        "session_options": session_options,
+        "provider_options": {"CPUExecutionProvider": {"anything": 1}},
+        "distributed": {"pipeline_parallel": {"sliced_axes": {"x": 0}}},
+    })
+    assert options.batch.gradient_accumulation_steps == 4
+    assert options.device.mem_limit == 1024
+    assert options.lr_scheduler is scheduler and options.mixed_precision.loss_scaler is scaler
+    assert options.session_options is session_options
+    assert options.distributed.pipeline_parallel.sliced_axes == {"x": 0}
+    assert options.distributed.world_size == 1
+
+
+def test_attributes_are_mutable():
+    options = ORTTrainerOptions()
+    options.utils.run_symbolic_shape_infer = True
+    assert options.utils.run_symbolic_shape_infer is True
+
+
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        ({"mixed_precision": {"enabled": 1}}, "mixed_precision.enabled: must be of boolean type, got int 1"),
+        ({"batch": {"gradient_accumulation_steps": True}}, "batch.gradient_accumulation_steps: must be of integer type"),
+        ({"device": {"id": None}}, "device.id: null value not allowed"),
+        ({"distributed": {"deepspeed_zero_optimization": {"stage": 2}}}, "distributed.deepspeed_zero_optimization.stage: max value is 1, got 2"),
+        ({"_internal_use": {"onnx_opset_version": 11}}, "_internal_use.onnx_opset_version: min value is 12, got 11"),
+        ({"lr_scheduler": "linear"}, "lr_scheduler: must be of _LRScheduler type"),
+        ({"utils": {"frozen_weights": ["a", 1]}}, "utils.frozen_weights: must be a list of strings"),
+        ({"devices": {}}, "devices: unknown field"),
+        ({"debug": {"graph_save_paths": {"bogus": ""}}}, "debug.graph_save_paths.bogus: unknown field"),
+        ({"batch": 3}, "batch.: must be of dict type"),
+    ],
+)
+def test_invalid_options_name_the_key_path(given, message):
+    with pytest.raises(ValueError, match="Invalid options: .*" + message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        ORTTrainerOptions(given)
+
+
+def test_every_error_is_reported_at_once():
+    with pytest.raises(ValueError) as caught:
+        ORTTrainerOptions({"batch": {"gradient_accumulation_steps": 0}, "device": {"mem_limit": -1}})
+    assert "batch.gradient_accumulation_steps" in str(caught.value) and "device.mem_limit" in str(caught.value)
