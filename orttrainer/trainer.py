@@ -461,16 +461,33 @@ class ORTTrainer:
         return {name: tensor.detach().cpu().clone() for name, tensor in tensors.items()}
 
     def state_dict(self, pytorch_format=False):
-        """The trainer's state; with ``pytorch_format`` the flat {name: tensor} torch modules load."""
+        """The trainer's state in the legacy layout (numpy arrays), or with ``pytorch_format``
+        the flat {name: tensor} that the torch module's ``load_state_dict`` accepts."""
         if self._training_session is None:
             warnings.warn(
                 "ONNX Runtime training session is not initialized yet. Please run train_step or eval_step "
                 "at least once before calling ORTTrainer.state_dict()."
             )
             return {}
+        model_state = self._model_state()
         if pytorch_format:
-            return self._model_state()
-        raise NotImplementedError("the legacy state_dict layout arrives with checkpoint support")
+            return model_state
+        info = self._train_step_info
+        distributed = self.options.distributed
+        return {
+            "model": {"full_precision": {name: tensor.numpy() for name, tensor in model_state.items()}},
+            "optimizer": _to_numpy(self._optimizer.state_dict()),
+            "trainer_options": {
+                "mixed_precision": self.options.mixed_precision.enabled,
+                "zero_stage": distributed.deepspeed_zero_optimization.stage,
+                "world_rank": distributed.world_rank,
+                "world_size": distributed.world_size,
+                "optimizer_name": self.optim_config.name,
+                "data_parallel_size": distributed.data_parallel_size,
+                "horizontal_parallel_size": distributed.horizontal_parallel_size,
+            },
+            "train_step_info": {"optimization_step": info.optimization_step, "step": info.step},
+        }
 
     # ----------------------------------------------------------------- export
     def save_as_onnx(self, path):
@@ -485,6 +502,13 @@ class ORTTrainer:
         inference_model = copy.deepcopy(model)
         graph.set_inference_mode(inference_model)
         onnx.save(inference_model, path)
+
+
+def _to_numpy(tree):
+    """Copy every tensor of a nested dict to a CPU numpy array."""
+    if isinstance(tree, dict):
+        return {key: _to_numpy(value) for key, value in tree.items()}
+    return tree.detach().cpu().numpy().copy()
 
 
 def _shape_of(value_info):

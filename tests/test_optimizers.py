@@ -1,0 +1,150 @@
+"""Adam, Lamb and SGD against float64 references of the legacy formulas, on real models."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from models import MLP, Encoder, lm_loss, mlp_batch, token_batch
+from parity import cpu_options
+from reference_optim import ReferenceOptimizer, legacy_hyper_parameters
+
+from orttrainer import ORTTrainer, optim
+
+STEPS = 10
+DecayMode = optim.AdamConfig.DecayMode
+# The encoder's key bias has an exactly-zero gradient, so both sides only see float32
+# rounding noise there, which Adam/Lamb would normalise into lr-sized steps for
+# epsilon << noise. With epsilon = 1e-4 (far above the noise, far below the RMS of the
+# real gradients) the comparison checks the formulas, not the noise.
+EPSILON = 1e-4
+
+MODELS = {
+    "mlp": (MLP, F.cross_entropy, mlp_batch),
+    "transformer": (lambda: Encoder(dropout=0.0), lm_loss, token_batch),
+}
+
+
+def train_against_reference(model_name, config, kind, clip, options_extra=None, accumulation=1):
+    """Train with orttrainer and with torch gradients + the float64 reference; compare every step."""
+    make, loss_fn, make_batch = MODELS[model_name]
+    torch.manual_seed(0)
+    model = make()
+    reference_model = copy.deepcopy(model)
+    extra = {"utils": {"grad_norm_clip": clip}, "batch": {"gradient_accumulation_steps": accumulation}}
+    extra.update(options_extra or {})
+    trainer = ORTTrainer(model, None, config, loss_fn=loss_fn, options=cpu_options(extra))
+    trainable = dict(reference_model.named_parameters())
+    reference = ReferenceOptimizer(kind, trainable, legacy_hyper_parameters(config), clip)
+    generator = torch.Generator().manual_seed(42)
+    for step in range(1, STEPS + 1):
+        batch = make_batch(generator=generator)
+        ort_loss = trainer.train_step(*batch)[0]
+        reference_model.zero_grad()
+        loss = loss_fn(reference_model(*batch[:-1]), batch[-1])
+        loss.backward()
+        torch.testing.assert_close(ort_loss, loss.detach(), rtol=1e-5, atol=1e-5)
+        reference.step({name: p.grad for name, p in trainable.items()}, config.lr)
+        with torch.no_grad():
+            for name, parameter in trainable.items():
+                parameter.copy_(reference.weights[name])
+        state = trainer.state_dict()
+        for name, expected in reference.weights.items():
+            np.testing.assert_allclose(state["model"]["full_precision"][name], expected.numpy(), rtol=1e-5, atol=2e-6,
+                                       err_msg=f"weight {name} at step {step}")
+            if kind != "sgd":
+                moments = state["optimizer"][name]
+                np.testing.assert_allclose(moments["Moment_1"], reference.m[name].numpy(), rtol=1e-5, atol=1e-7,
+                                           err_msg=f"Moment_1 of {name} at step {step}")
+                np.testing.assert_allclose(moments["Moment_2"], reference.v[name].numpy(), rtol=1e-5, atol=1e-9,
+                                           err_msg=f"Moment_2 of {name} at step {step}")
+    return trainer, reference
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+@pytest.mark.parametrize("mode", [DecayMode.BEFORE_WEIGHT_UPDATE, DecayMode.AFTER_WEIGHT_UPDATE])
+@pytest.mark.parametrize("bias_correction", [True, False])
+@pytest.mark.parametrize("clip", [True, False])
+def test_adam_matches_legacy_formula(model_name, mode, bias_correction, clip):
+    config = optim.AdamConfig(lr=3e-3, alpha=0.85, beta=0.99, lambda_coef=0.05, epsilon=EPSILON, max_norm_clip=0.5,
+                              do_bias_correction=bias_correction, weight_decay_mode=mode)
+    trainer, reference = train_against_reference(model_name, config, "adam", clip)
+    if clip:
+        assert reference.clipped_steps > 0, "clipping never triggered; the test would not see it"
+    counts = {entry["Update_Count"][0] for name, entry in trainer.state_dict()["optimizer"].items()}
+    assert counts == {STEPS + 1}
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+@pytest.mark.parametrize("bias_correction", [True, False])
+@pytest.mark.parametrize("clip", [True, False])
+def test_lamb_matches_legacy_formula(model_name, bias_correction, clip):
+    config = optim.LambConfig(lr=1e-2, alpha=0.9, beta=0.99, lambda_coef=0.01, ratio_min=0.05, ratio_max=5.0,
+                              epsilon=EPSILON, max_norm_clip=0.5, do_bias_correction=bias_correction)
+    trainer, reference = train_against_reference(model_name, config, "lamb", clip)
+    assert trainer.state_dict()["optimizer"]["shared_optimizer_state"]["Step"][0] == STEPS + 1
+    if clip:
+        assert reference.clipped_steps > 0
+
+
+def test_sgd_matches_legacy_formula_without_clipping():
+    train_against_reference("mlp", optim.SGDConfig(lr=0.1), "sgd", clip=True)
+
+
+def test_adam_mode_0_matches_torch_adamw():
+    from parity import run_parity
+
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(7)
+    batches = [token_batch(generator=generator) for _ in range(STEPS)]
+    config = optim.AdamConfig(lr=1e-3, alpha=0.9, beta=0.98, lambda_coef=0.01, epsilon=EPSILON)
+    run_parity(Encoder(dropout=0.0), batches, config,
+               lambda params: torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.98), eps=EPSILON, weight_decay=0.01),
+               loss_fn=lm_loss, options=cpu_options({"utils": {"grad_norm_clip": False}}), atol=1e-5)
+
+
+def test_param_groups_take_effect():
+    params = [{"params": ["fc1.weight", "fc1.bias"], "alpha": 0.5, "lambda_coef": 0.2},
+              {"params": ["head.weight"], "beta": 0.9, "epsilon": 1e-3}]
+    config = optim.AdamConfig(params=params, lr=1e-2, lambda_coef=0.0, epsilon=EPSILON)
+    assert params[0]["lambda"] == 0.2 and "lambda_coef" not in params[0], "groups are completed in place"
+    assert params[1]["alpha"] == 0.9 and params[1]["lr"] == 1e-2
+    # the reference applies alpha 0.5 / lambda 0.2 to fc1 and beta 0.9 / epsilon 1e-3 to head:
+    # a trainer that ignored the groups would drift from it within a few steps
+    train_against_reference("mlp", config, "adam", clip=False)
+
+
+def test_lamb_param_groups_take_effect():
+    params = [{"params": ["fc2.weight"], "alpha": 0.6, "lambda_coef": 0.3, "ratio_max": 2.0}]
+    config = optim.LambConfig(params=params, lr=1e-2, ratio_min=0.05, ratio_max=5.0, epsilon=EPSILON)
+    train_against_reference("mlp", config, "lamb", clip=True)
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: optim.SGDConfig(params=[{"params": ["w"], "lr": 0.1}]), "'params' must be an empty list for SGD optimizer"),
+        (lambda: optim.AdamConfig(params=[{"params": ["w"], "lr": 0.1}]), "'lr' is not supported inside params"),
+        (lambda: optim.AdamConfig(params=[{"params": ["w"], "gamma": 0.1}]), "'gamma', which is not a hyper-parameter"),
+        (lambda: optim.AdamConfig(params=[{"params": ["w"]}]), r"params\[0\] must be a dict with 'params' and at least one"),
+        (lambda: optim.AdamConfig(alpha=-0.1), "'alpha' must be a non-negative number"),
+        (lambda: optim.AdamConfig(max_norm_clip=0), "'max_norm_clip' must be a non-zero number"),
+        (lambda: optim.AdamConfig(do_bias_correction=1), "'do_bias_correction' must be a bool"),
+        (lambda: optim.AdamConfig(weight_decay_mode=0), "'weight_decay_mode' must be an AdamConfig.DecayMode"),
+        (lambda: optim.LambConfig(ratio_min=0), "'ratio_min' must be a float"),
+        (lambda: optim.SGDConfig(lr=-1), "'lr' must be a non-negative number"),
+    ],
+)
+def test_config_checks(build, message):
+    with pytest.raises(AssertionError, match=message):
+        build()
+
+
+def test_config_defaults_are_legacy():
+    adam, lamb = optim.AdamConfig(), optim.LambConfig()
+    assert (adam.lr, adam.alpha, adam.beta, adam.lambda_coef, adam.epsilon, adam.max_norm_clip, adam.do_bias_correction) == (
+        0.001, 0.9, 0.999, 0.0, 1e-8, 1.0, True)
+    assert adam.weight_decay_mode == DecayMode.BEFORE_WEIGHT_UPDATE
+    assert (lamb.epsilon, lamb.do_bias_correction, lamb.ratio_min, lamb.ratio_max) == (1e-6, False, float("-inf"), float("inf"))
+    assert optim.SGDConfig().name == "SGDOptimizer" and adam.name == "AdamOptimizer" and lamb.name == "LambOptimizer"
