@@ -1,5 +1,7 @@
 """orttrainer with SGD equals a plain torch SGD loop, step by step, on real models."""
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from models import (
@@ -134,11 +136,13 @@ def test_onnx_model_input(tmp_path):
     reference.load_state_dict(model.state_dict())
     x, label = mlp_batch()
     path = tmp_path / "mlp.onnx"
-    torch.onnx.export(
-        model, (x, label), str(path), dynamo=False, training=torch.onnx.TrainingMode.TRAINING,
-        do_constant_folding=False, input_names=["x", "label"], output_names=["loss", "logits"],
-        dynamic_axes={"x": {0: "batch"}, "label": {0: "batch"}, "logits": {0: "batch"}}, opset_version=17,
-    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.onnx.export(
+            model, (x, label), str(path), dynamo=False, training=torch.onnx.TrainingMode.TRAINING,
+            do_constant_folding=False, input_names=["x", "label"], output_names=["loss", "logits"],
+            dynamic_axes={"x": {0: "batch"}, "label": {0: "batch"}, "logits": {0: "batch"}}, opset_version=17,
+        )
     import onnx
 
     from orttrainer import ORTTrainer
