@@ -9,8 +9,8 @@ except ImportError as error:  # the plain onnxruntime package replaced onnxrunti
         "onnxruntime-training && pip install onnxruntime-training==1.19.2"
     ) from error
 
-from . import amp, optim
+from . import amp, checkpoint, optim
 from .options import ORTTrainerOptions
 from .trainer import ORTTrainer, TrainStepInfo
 
-__all__ = ["ORTTrainer", "ORTTrainerOptions", "TrainStepInfo", "amp", "optim"]
+__all__ = ["ORTTrainer", "ORTTrainerOptions", "TrainStepInfo", "amp", "checkpoint", "optim"]

@@ -9,6 +9,7 @@ sessions read, so no binding ever goes stale.
 """
 
 import copy
+import functools
 import hashlib
 import inspect
 import warnings
@@ -19,7 +20,7 @@ import onnxruntime
 import torch
 from onnx import numpy_helper
 
-from . import amp, export, graph, session
+from . import amp, checkpoint, export, graph, session
 from .model_desc import LABEL_NAME, _ORTTrainerModelDesc, forward_input_names, infer_model_desc
 from .optim import _update
 from .optim.config import _OptimizerConfig
@@ -338,6 +339,8 @@ class ORTTrainer:
             self.optim_config, {name: weights[name] for name in trainable}, self.options.utils.grad_norm_clip
         )
         self._training_session = self._train_session
+        if self._load_state_dict is not None:
+            self._load_state_dict()
 
     def _bind_gradients(self, buffers):
         for name, tensor in buffers.items():
@@ -468,7 +471,7 @@ class ORTTrainer:
                 "ONNX Runtime training session is not initialized yet. Please run train_step or eval_step "
                 "at least once before calling ORTTrainer.state_dict()."
             )
-            return {}
+            return self._load_state_dict.args[0] if self._load_state_dict is not None else {}
         model_state = self._model_state()
         if pytorch_format:
             return model_state
@@ -486,8 +489,102 @@ class ORTTrainer:
                 "data_parallel_size": distributed.data_parallel_size,
                 "horizontal_parallel_size": distributed.horizontal_parallel_size,
             },
-            "train_step_info": {"optimization_step": info.optimization_step, "step": info.step},
+            "train_step_info": {"optimization_step": info.optimization_step, "step": info.step, "dropout_seed": self._seed},
+            **self._accumulation_state(),
         }
+
+    def _accumulation_state(self):
+        """Gradients summed so far when a checkpoint falls inside an accumulation window."""
+        if self._train_step_info.step % self.options.batch.gradient_accumulation_steps == 0:
+            return {}
+        return {"gradient_accumulation": _to_numpy(self._grads)}
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Restore weights, optimizer state and step counters from a ``state_dict()``.
+
+        Before the first step the dict is kept and applied when the sessions are built.
+        Everything is checked first (keys when ``strict``, shapes, optimizer name), so a
+        bad dict leaves the trainer unchanged.
+        """
+        if self._training_session is None:
+            self._load_state_dict = functools.partial(self._apply_state_dict, state_dict, strict)
+            return
+        self._apply_state_dict(state_dict, strict)
+
+    def _apply_state_dict(self, state, strict):
+        current = self.state_dict()
+        for group in ("model", "optimizer", "train_step_info"):
+            if group not in state:
+                warnings.warn(f"Missing key: {group} in state_dict")
+        model = state.get("model", {})
+        if strict and "model" in state:
+            checkpoint.compare_keys(current["model"], model, "state_dict[model]")
+        weights = {}
+        for precision, values in model.items():
+            if strict:
+                checkpoint.compare_keys(current["model"]["full_precision"], values, f"state_dict[model][{precision}]")
+            for name, value in values.items():
+                if name in current["model"]["full_precision"]:
+                    weights[name] = _checked_tensor(value, current["model"]["full_precision"][name], f"state_dict[model][{precision}][{name}]")
+                elif strict:
+                    raise RuntimeError(f"Unexpected key: {name} in state_dict[model][{precision}]")
+        optimizer = state.get("optimizer")
+        if optimizer is not None:
+            given_name = state.get("trainer_options", {}).get("optimizer_name")
+            if isinstance(given_name, bytes):
+                given_name = given_name.decode()
+            if given_name != self.optim_config.name:
+                raise RuntimeError(f"Optimizer mismatch: expected {self.optim_config.name}, got {given_name}")
+            if strict:
+                checkpoint.compare_keys(current["optimizer"], optimizer, "state_dict[optimizer]")
+            optimizer = {
+                name: {key: _checked_tensor(value, current["optimizer"][name][key], f"state_dict[optimizer][{name}][{key}]")
+                       for key, value in entry.items() if key in current["optimizer"].get(name, {})}
+                for name, entry in optimizer.items() if name in current["optimizer"]
+            }  # fmt: skip
+        accumulated = {
+            name: _checked_tensor(value, current["model"]["full_precision"][name], f"state_dict[gradient_accumulation][{name}]")
+            for name, value in state.get("gradient_accumulation", {}).items()
+        }
+        # everything is checked: apply
+        live = {**self._weights, **self._batch_counters}
+        for name, value in weights.items():
+            live[name].copy_(value)
+        if optimizer is not None:
+            self._optimizer.load_state_dict(optimizer)
+        for name, value in accumulated.items():
+            self._grads[name].copy_(value)
+        info = state.get("train_step_info")
+        if info is not None:
+            self._train_step_info.step = int(info["step"])
+            self._train_step_info.optimization_step = int(info["optimization_step"])
+            if "dropout_seed" in info:
+                self._seed = int(info["dropout_seed"])
+        self._load_state_dict = None
+
+    def save_checkpoint(self, path, user_dict=None, include_optimizer_states=True, overwrite=False):
+        """Write ``state_dict()`` (+ ``user_dict``, stored natively, never pickled) to an HDF5 file atomically."""
+        state = dict(self.state_dict())
+        if not include_optimizer_states:
+            state.pop("optimizer", None)
+        if user_dict:
+            state["user_dict"] = user_dict
+        checkpoint.save(state, path, overwrite=overwrite)
+
+    def load_checkpoint(self, *paths, strict=True, allow_pickle=False):
+        """Load a checkpoint written by ``save_checkpoint`` (or by the legacy ORTTrainer); return its user_dict.
+
+        Per-rank ZeRO checkpoints (several paths) are aggregated first. A legacy pickled
+        user_dict is only unpickled with ``allow_pickle=True``.
+        """
+        if len(paths) > 1:
+            state = checkpoint.aggregate_checkpoints(list(paths), pytorch_format=False)
+        else:
+            state = checkpoint.load(paths[0])
+        checkpoint.check_is_checkpoint(state, paths[0])
+        user_dict = checkpoint.user_dict_from(state, paths[0], allow_pickle)
+        self.load_state_dict(state, strict=strict)
+        return user_dict
 
     # ----------------------------------------------------------------- export
     def save_as_onnx(self, path):
@@ -502,6 +599,17 @@ class ORTTrainer:
         inference_model = copy.deepcopy(model)
         graph.set_inference_mode(inference_model)
         onnx.save(inference_model, path)
+
+
+def _checked_tensor(value, current, where):
+    """``value`` as a tensor shaped and typed like ``current``; a clear error otherwise."""
+    tensor = torch.as_tensor(np.asarray(value))
+    if tuple(tensor.shape) != tuple(np.shape(current)):
+        raise RuntimeError(f"{where} has shape {list(tensor.shape)}, the trainer's has {list(np.shape(current))}")
+    expected = torch.as_tensor(np.asarray(current)).dtype
+    if tensor.dtype != expected:
+        raise RuntimeError(f"{where} has dtype {tensor.dtype}, the trainer's has {expected}")
+    return tensor
 
 
 def _to_numpy(tree):

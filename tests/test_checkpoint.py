@@ -1,0 +1,286 @@
+"""state_dict and HDF5 checkpoints: legacy layout, safety, atomic writes, exact resume."""
+
+import copy
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from models import CNN, MLP, cnn_batch, mlp_batch
+from parity import cpu_options
+
+from orttrainer import ORTTrainer, checkpoint, optim
+from orttrainer.checkpoint import CheckpointError
+
+HERE = Path(__file__).parent
+# child processes import orttrainer from this checkout even where it is not installed
+CHILD_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))}
+
+
+def adam_trainer(steps=3, model=None, config=None):
+    torch.manual_seed(0)
+    trainer = ORTTrainer(model or CNN(), None, config or optim.AdamConfig(lr=1e-2), loss_fn=F.cross_entropy,
+                         options=cpu_options())
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        trainer.train_step(*cnn_batch(generator=generator))
+    return trainer
+
+
+def flat(tree, prefix=""):
+    items = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            items.update(flat(value, f"{prefix}{key}/"))
+        else:
+            items[f"{prefix}{key}"] = value
+    return items
+
+
+def assert_same_state(actual, expected):
+    actual, expected = flat(actual), flat(expected)
+    assert set(actual) == set(expected)
+    for key, value in expected.items():
+        got = actual[key]
+        if isinstance(value, np.ndarray):
+            assert got.dtype == value.dtype and got.shape == value.shape, key
+            np.testing.assert_array_equal(got, value, err_msg=key)
+        else:
+            assert got == value, key
+
+
+def test_legacy_state_dict_layout():
+    state = adam_trainer().state_dict()
+    assert set(state) == {"model", "optimizer", "trainer_options", "train_step_info"}
+    weights = state["model"]["full_precision"]
+    assert "features.1.running_mean" in weights and "features.1.num_batches_tracked" in weights
+    assert set(state["optimizer"]["head.weight"]) == {"Moment_1", "Moment_2", "Update_Count"}
+    assert "features.1.running_mean" not in state["optimizer"], "buffers have no optimizer state"
+    assert state["trainer_options"]["optimizer_name"] == "AdamOptimizer"
+    assert (state["train_step_info"]["step"], state["train_step_info"]["optimization_step"]) == (3, 3)
+    lamb = adam_trainer(config=optim.LambConfig()).state_dict()
+    assert lamb["optimizer"]["shared_optimizer_state"]["Step"][0] == 4
+
+
+def test_round_trip_preserves_every_entry_and_user_dict(tmp_path):
+    trainer = adam_trainer()
+    user_dict = {"epoch": 3, "best": 0.25, "name": "run-1", "flags": [True, 2, "x"], "nested": {"array": np.arange(4.0)},
+                 "nothing": None}
+    path = tmp_path / "model.ortcp"
+    trainer.save_checkpoint(path, user_dict=user_dict)
+    expected = trainer.state_dict()
+
+    raw = checkpoint.load(path)
+    assert isinstance(raw["trainer_options"]["optimizer_name"], str), "strings come back as str"
+    fresh = ORTTrainer(CNN(), None, optim.AdamConfig(lr=1e-2), loss_fn=F.cross_entropy, options=cpu_options())
+    loaded_user_dict = fresh.load_checkpoint(path)
+    assert fresh._load_state_dict.args[0]["trainer_options"]["optimizer_name"] == "AdamOptimizer", "deferred until the first step"
+    fresh.eval_step(*cnn_batch())
+    assert_same_state(fresh.state_dict(), expected)
+    assert loaded_user_dict["flags"] == [True, 2, "x"] and loaded_user_dict["nothing"] is None
+    assert loaded_user_dict["name"] == "run-1" and loaded_user_dict["epoch"] == 3
+    np.testing.assert_array_equal(loaded_user_dict["nested"]["array"], np.arange(4.0))
+
+
+def test_pytorch_format_loads_into_the_torch_module():
+    torch.manual_seed(0)
+    model = CNN()
+    trainer = adam_trainer(model=model)
+    reference = copy.deepcopy(model)
+    reference.load_state_dict(trainer.state_dict(pytorch_format=True))
+    images, labels = cnn_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.eval_step(images, labels)[1], reference.eval()(images), atol=1e-5, rtol=1e-5)
+
+
+def test_state_dict_before_first_step_warns_or_returns_the_pending_dict():
+    trainer = ORTTrainer(MLP(), None, optim.SGDConfig(), loss_fn=F.cross_entropy, options=cpu_options())
+    with pytest.warns(UserWarning, match="not initialized yet"):
+        assert trainer.state_dict() == {}
+    pending = {"train_step_info": {"step": 4, "optimization_step": 4}}
+    trainer.load_state_dict(pending)
+    with pytest.warns(UserWarning):
+        assert trainer.state_dict() is pending
+
+
+def test_strict_mismatch_lists_keys_and_changes_nothing():
+    trainer = adam_trainer()
+    before = trainer.state_dict()
+    state = copy.deepcopy(before)
+    del state["model"]["full_precision"]["head.bias"]
+    state["model"]["full_precision"]["head.extra"] = np.zeros(3, np.float32)
+    state["model"]["full_precision"]["head.weight"] += 1  # would change the trainer if applied
+    with pytest.raises(RuntimeError, match=r"Missing keys: \['head.bias'\] in state_dict\[model\]\[full_precision\]; "
+                                           r"Unexpected keys: \['head.extra'\]"):
+        trainer.load_state_dict(state)
+    assert_same_state(trainer.state_dict(), before)
+    del state["model"]["full_precision"]["head.extra"]
+    trainer.load_state_dict(state, strict=False)  # non-strict: loads what matches
+    np.testing.assert_array_equal(trainer.state_dict()["model"]["full_precision"]["head.weight"], before["model"]["full_precision"]["head.weight"] + 1)
+
+
+def test_shape_and_optimizer_mismatches_are_refused():
+    trainer = adam_trainer()
+    before = trainer.state_dict()
+    state = copy.deepcopy(before)
+    state["model"]["full_precision"]["head.weight"] = np.zeros((3, 3), np.float32)
+    with pytest.raises(RuntimeError, match=r"state_dict\[model\]\[full_precision\]\[head.weight\] has shape \[3, 3\], the trainer's has \[10, 256\]"):
+        trainer.load_state_dict(state)
+    state = copy.deepcopy(before)
+    state["trainer_options"]["optimizer_name"] = b"LambOptimizer"
+    with pytest.raises(RuntimeError, match="Optimizer mismatch: expected AdamOptimizer, got LambOptimizer"):
+        trainer.load_state_dict(state)
+    assert_same_state(trainer.state_dict(), before)
+
+
+def test_existing_file_is_not_overwritten_unless_asked(tmp_path):
+    trainer = adam_trainer()
+    path = tmp_path / "ckpt.h5"
+    trainer.save_checkpoint(path)
+    with pytest.raises(FileExistsError, match="pass overwrite=True"):
+        trainer.save_checkpoint(path)
+    trainer.train_step(*cnn_batch())
+    trainer.save_checkpoint(path, overwrite=True)
+    assert checkpoint.load(path, key="train_step_info")["step"] == 4
+    assert [entry.name for entry in tmp_path.iterdir()] == ["ckpt.h5"], "no temporary file is left behind"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not_hdf5", "foreign", "missing"])
+def test_broken_files_raise_and_leave_the_trainer_unchanged(tmp_path, damage):
+    trainer = adam_trainer()
+    before = trainer.state_dict()
+    path = tmp_path / "ckpt.h5"
+    trainer.save_checkpoint(path)
+    if damage == "truncated":
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+        error, message = CheckpointError, "truncated or corrupt"
+    elif damage == "not_hdf5":
+        path.write_text("definitely not a checkpoint")
+        error, message = CheckpointError, "is not an HDF5 file"
+    elif damage == "foreign":
+        path.unlink()
+        with h5py.File(path, "w") as file:
+            file["images"] = np.zeros(3)
+        error, message = CheckpointError, r"not an ORTTrainer checkpoint: .* \(found \['images'\]\)"
+    else:
+        path.unlink()
+        error, message = FileNotFoundError, "does not exist"
+    with pytest.raises(error, match=message):
+        trainer.load_checkpoint(path)
+    assert_same_state(trainer.state_dict(), before)
+
+
+def _legacy_file(path, state, user_dict_hex=None):
+    """Write ``state`` the way the legacy _checkpoint_storage did: plain h5py assignment."""
+    with h5py.File(path, "w-") as file:
+        for key, value in flat(state).items():
+            file[key] = value
+        if user_dict_hex is not None:
+            file["user_dict"] = user_dict_hex
+
+
+def test_legacy_checkpoint_loads_and_pickle_needs_opt_in(tmp_path):
+    trainer = adam_trainer()
+    expected = trainer.state_dict()
+    legacy_state = copy.deepcopy(expected)
+    del legacy_state["train_step_info"]["dropout_seed"]
+    path = tmp_path / "legacy.ortcp"
+    _legacy_file(path, legacy_state, pickle.dumps({"epoch": 7}).hex())
+
+    fresh = adam_trainer(steps=1)
+    before = fresh.state_dict()
+    with pytest.raises(CheckpointError, match="stores user_dict as a pickle .* pass allow_pickle=True"):
+        fresh.load_checkpoint(path)
+    assert_same_state(fresh.state_dict(), before)
+    assert fresh.load_checkpoint(path, allow_pickle=True) == {"epoch": 7}
+    loaded = fresh.state_dict()
+    loaded["train_step_info"]["dropout_seed"] = expected["train_step_info"]["dropout_seed"]
+    assert_same_state(loaded, expected)
+
+
+def test_kill_during_save_keeps_the_old_file(tmp_path):
+    path = tmp_path / "ckpt.h5"
+    script = f"""
+import sys, time, torch, torch.nn.functional as F
+sys.path.insert(0, {str(HERE)!r})
+from models import MLP, mlp_batch
+from parity import cpu_options
+from orttrainer import ORTTrainer, checkpoint, optim
+trainer = ORTTrainer(MLP(), None, optim.AdamConfig(), loss_fn=F.cross_entropy, options=cpu_options())
+trainer.train_step(*mlp_batch())
+trainer.save_checkpoint({str(path)!r})
+original = checkpoint._write
+def slow_write(*args):
+    original(*args)
+    print("writing", flush=True)
+    time.sleep(0.2)
+checkpoint._write = slow_write
+trainer.train_step(*mlp_batch())
+trainer.save_checkpoint({str(path)!r}, overwrite=True)
+"""
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=CHILD_ENV)
+    assert process.stdout.readline() == "writing\n"  # the second save is under way
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    state = checkpoint.load(path)
+    assert state["train_step_info"]["step"] == 1, "the old checkpoint must survive intact"
+    leftovers = [entry.name for entry in tmp_path.iterdir() if entry.name != "ckpt.h5"]
+    assert all(name.startswith(".ckpt.h5.") and name.endswith(".tmp") for name in leftovers)
+
+
+def _run_job(*args):
+    subprocess.run([sys.executable, str(HERE / "resume_job.py"), *map(str, args)], check=True, cwd=HERE, timeout=300, env=CHILD_ENV)
+
+
+def test_resume_in_a_new_process_is_bit_exact(tmp_path):
+    """5 steps, save (mid accumulation window), new process, 4 more == 9 uninterrupted steps."""
+    ckpt = tmp_path / "ckpt.h5"
+    _run_job("--start", 0, "--stop", 9, "--out", tmp_path / "full.npz")
+    _run_job("--start", 0, "--stop", 5, "--save", ckpt, "--out", tmp_path / "first.npz")
+    _run_job("--start", 5, "--stop", 9, "--load", ckpt, "--out", tmp_path / "second.npz")
+    full, first, second = (np.load(tmp_path / f"{name}.npz") for name in ("full", "first", "second"))
+    np.testing.assert_array_equal(np.concatenate([first["losses"], second["losses"]]), full["losses"])
+    assert int(second["step"]) == 9
+    weight_keys = [key for key in full.files if key.startswith(("weight/", "moment/"))]
+    assert len(weight_keys) > 20
+    for key in weight_keys:
+        np.testing.assert_array_equal(second[key], full[key], err_msg=key)
+    assert not np.array_equal(first["weight/head.weight"], full["weight/head.weight"])
+
+
+def test_aggregate_zero_checkpoints_and_resume(tmp_path):
+    trainer = adam_trainer()
+    state = trainer.state_dict()
+    paths = []
+    for rank in (1, 0):  # written out of order on purpose
+        shard = copy.deepcopy(state)
+        shard["trainer_options"].update(world_rank=rank, world_size=2, zero_stage=1, data_parallel_size=2)
+        shard["partition_info"] = {}
+        for name, entry in shard["optimizer"].items():
+            shard["partition_info"][name] = {"original_dim": np.array(entry["Moment_1"].shape), "megatron_row_partition": np.array([0])}
+            for key in ("Moment_1", "Moment_2"):
+                entry[key] = np.array_split(entry[key].reshape(-1), 2)[rank]
+        path = tmp_path / f"rank{rank}.h5"
+        checkpoint.save(shard, path)
+        paths.append(path)
+    aggregated = checkpoint.aggregate_checkpoints(paths, pytorch_format=False)
+    assert aggregated["trainer_options"]["world_size"] == 1 and aggregated["trainer_options"]["mixed_precision"] is False
+    for name, entry in state["optimizer"].items():
+        np.testing.assert_array_equal(aggregated["optimizer"][name]["Moment_1"], entry["Moment_1"])
+    weights = checkpoint.aggregate_checkpoints(paths)
+    torch.testing.assert_close(weights["head.weight"], torch.from_numpy(state["model"]["full_precision"]["head.weight"]))
+
+    fresh = adam_trainer(steps=1)
+    fresh.load_checkpoint(*paths)
+    assert_same_state(fresh.state_dict(), state)
+    batch = cnn_batch(generator=torch.Generator().manual_seed(9))
+    torch.testing.assert_close(fresh.train_step(*batch)[0], trainer.train_step(*batch)[0])
