@@ -9,11 +9,11 @@ $(VENV)/bin/activate:
 	$(PY) -m pip install --upgrade pip >/dev/null
 
 $(VENV)/.installed: $(VENV)/bin/activate setup.cfg pyproject.toml
-	$(PY) -m pip install -e '.[test]'
+	$(PY) -m pip install -e '.[test,samples]'
 	touch $@
 
 demo: $(VENV)/.installed
-	$(PY) samples/mnist_like_demo.py
+	$(PY) samples/char_lm.py
 
 test: $(VENV)/.installed
 	$(PY) -m pytest

@@ -53,6 +53,12 @@ def _write(group, key, value, path):
         raise CheckpointError(f"{where}: cannot store {type(value).__name__} (dicts, lists, arrays, tensors, numbers, strings, None)")
 
 
+def _current_umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
 def save(state: dict, path, overwrite: bool = False) -> None:
     """Write ``state`` to ``path`` atomically; refuse to replace an existing file unless ``overwrite``."""
     if not isinstance(state, dict):
@@ -67,6 +73,7 @@ def save(state: dict, path, overwrite: bool = False) -> None:
             for key, value in state.items():
                 _write(file, key, value, "")
         os.fsync(handle)  # h5py closed and flushed the file; make it durable before the rename
+        os.fchmod(handle, 0o666 & ~_current_umask())  # mkstemp's 0600 would outlive the rename
         os.close(handle)
         handle = None
         if overwrite:

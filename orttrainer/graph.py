@@ -118,6 +118,21 @@ def set_inference_mode(model: onnx.ModelProto) -> None:
                 if attribute.name == "training_mode":
                     attribute.i = 0
             del node.output[1:]
+    _remove_unused(model.graph)
+
+
+def _remove_unused(graph: onnx.GraphProto) -> None:
+    """Drop nodes none of whose outputs is read, and initializers nothing reads."""
+    while True:
+        used = {name for node in graph.node for name in node.input} | {output.name for output in graph.output}
+        kept = [node for node in graph.node if any(name in used for name in node.output)]
+        if len(kept) == len(graph.node):
+            break
+        del graph.node[:]
+        graph.node.extend(kept)
+    unused = [initializer for initializer in graph.initializer if initializer.name not in used]
+    for initializer in unused:
+        graph.initializer.remove(initializer)
 
 
 def _constant(graph: onnx.GraphProto, name: str, value: np.ndarray) -> str:

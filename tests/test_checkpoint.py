@@ -151,6 +151,9 @@ def test_existing_file_is_not_overwritten_unless_asked(tmp_path):
     trainer.save_checkpoint(path, overwrite=True)
     assert checkpoint.load(path, key="train_step_info")["step"] == 4
     assert [entry.name for entry in tmp_path.iterdir()] == ["ckpt.h5"], "no temporary file is left behind"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask, "permissions follow the umask like any new file"
 
 
 @pytest.mark.parametrize("damage", ["truncated", "not_hdf5", "foreign", "missing"])
