@@ -12,6 +12,8 @@ import onnx
 import torch
 from torch.onnx import TrainingMode
 
+from . import symbolics
+
 _WRAPPED = "model."  # prefix the wrapper adds to every weight name
 
 
@@ -71,6 +73,7 @@ def export_to_onnx(model, loss_fn, forward_names, inputs, desc_inputs, desc_outp
     ``desc_inputs``/``desc_outputs`` are (name, shape) pairs; string dims become dynamic.
     The global torch RNG is left as it was (tracing runs dropout once).
     """
+    symbolics.register()
     wrapper = _ModelWithLoss(model, loss_fn, forward_names)
     buffer = io.BytesIO()
     devices = [inputs[0].device.index or 0] if inputs and inputs[0].is_cuda else []

@@ -20,6 +20,8 @@ import onnxruntime
 from onnx import helper, numpy_helper
 from onnxruntime.capi._pybind_state import GradientGraphBuilder, get_optimized_model
 
+from . import rewrites
+
 MAX_IR_VERSION = 10  # the highest IR version ONNX Runtime 1.19 loads
 
 # How many outputs an op must expose for its gradient builder to find what it needs.
@@ -57,13 +59,17 @@ class TrainingGraphs:
 def module_path(node_name: str) -> str:
     """The torch module a node came from, from the TorchScript exporter's scoped name.
 
-    ``/model/layer/self_attn/Softmax`` -> ``layer.self_attn``; ``""`` when unknown.
+    Each scope level is an attribute name, except numbered children, which carry their
+    parent's name: ``/model/layer/self_attn/Softmax`` -> ``layer.self_attn``,
+    ``/model/features/features.1/Conv`` -> ``features.1``; ``""`` when unknown.
     """
-    parts = [part for part in node_name.split("/") if part]
-    if len(parts) < 2:
-        return ""
-    scope = parts[-2]
-    return scope[len("model.") :] if scope.startswith("model.") else ("" if scope == "model" else scope)
+    levels = [part for part in node_name.split("/") if part][:-1]
+    if levels and levels[0] == "model":  # the attribute under which export.py wraps the user's module
+        levels = levels[1:]
+    path = ""
+    for level in levels:
+        path = level if not path or level.startswith(path + ".") else f"{path}.{level}"
+    return path[len("model.") :] if path.startswith("model.") else path
 
 
 def describe_node(node: onnx.NodeProto) -> str:
@@ -91,6 +97,14 @@ def name_unnamed_nodes(graph: onnx.GraphProto) -> None:
                 name += "_"
             node.name = name
             taken.add(name)
+
+
+def drop_trailing_empty_inputs(graph: onnx.GraphProto) -> None:
+    """Remove trailing '' inputs (omitted optionals): some gradient builders index them and
+    abort the whole process (e.g. Pad's constant_value from torch's LocalResponseNorm)."""
+    for node in graph.node:
+        while node.input and not node.input[-1]:
+            del node.input[-1]
 
 
 def move_weights_to_inputs(model: onnx.ModelProto, weight_names) -> None:
@@ -220,6 +234,17 @@ def _expose_running_statistics(model: onnx.ModelProto, input_names) -> list:
 _MAYBE_FLOAT = {0, onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
 
 
+def _node_inputs(node: onnx.NodeProto) -> list:
+    """A node's inputs, including the outer-scope values its subgraphs (If/Loop/Scan) read."""
+    names = list(node.input)
+    for attribute in node.attribute:
+        subgraphs = ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs)
+        for subgraph in subgraphs:
+            for inner in subgraph.node:
+                names.extend(_node_inputs(inner))
+    return names
+
+
 def _nodes_between(model: onnx.ModelProto, sources, target: str):
     """Nodes on a floating-point path from any of ``sources`` to ``target``.
 
@@ -233,16 +258,31 @@ def _nodes_between(model: onnx.ModelProto, sources, target: str):
     downstream = set(sources)
     forward = []
     for node in model.graph.node:  # exported graphs are topologically sorted
-        if any(name in downstream for name in node.input):
+        if any(name in downstream for name in _node_inputs(node)):
             downstream.update(name for name in node.output if elem_types.get(name, 0) in _MAYBE_FLOAT)
             forward.append(node)
     upstream = {target}
     on_path = []
     for node in reversed(forward):
         if any(name in upstream for name in node.output):
-            upstream.update(name for name in node.input if name)
+            upstream.update(name for name in _node_inputs(node) if name)
             on_path.append(node)
     return list(reversed(on_path))
+
+
+def weights_reaching_loss(model: onnx.ModelProto, weight_names, loss_name: str) -> list:
+    """The weights read by some node on a path to the loss (the others get no gradient)."""
+    read = {name for node in _nodes_between(model, weight_names, loss_name) for name in _node_inputs(node)}
+    return [name for name in weight_names if name in read]
+
+
+def rewrite_undifferentiable_ops(model: onnx.ModelProto, weight_names, loss_name: str) -> None:
+    """Rewrite (rewrites.py) the ops between weights and loss that have no usable gradient."""
+    on_path = {node.name for node in _nodes_between(model, weight_names, loss_name)}
+    try:
+        rewrites.rewrite_for_training(model, only_between=on_path)
+    except rewrites.RewriteError as error:
+        raise GradientBuildError(f"cannot make this op differentiable: {error}") from error
 
 
 def check_differentiable(model: onnx.ModelProto, weight_names, loss_name: str) -> None:
@@ -263,6 +303,19 @@ def _builder_error(error: Exception, graph: onnx.GraphProto) -> GradientBuildErr
     return GradientBuildError(f"building the gradient graph failed: {error}")
 
 
+def missing_kernel_error(error: Exception, device) -> GradientBuildError:
+    """ONNX Runtime found no kernel for a (gradient) node on this device: say which op and module."""
+    found = re.search(r"implementation for (\S+)\(\d+\) node with name '([^']*)'", str(error))
+    if not found:
+        return GradientBuildError(f"ONNX Runtime cannot run the training graph on {device}: {error}")
+    op_type, node_name = found.groups()
+    where = module_path(node_name.split("_Grad/")[0])  # '/model/layer/Op_Grad/OpGrad_0' -> the forward node
+    return GradientBuildError(
+        f"ONNX Runtime has no {device.type.upper()} kernel for {op_type} (node '{node_name}'"
+        + (f", module '{where}')" if where else ")")
+    )
+
+
 def _quiet_session_options() -> onnxruntime.SessionOptions:
     options = onnxruntime.SessionOptions()
     options.log_severity_level = 3  # the graph builder logs every transformer at INFO level
@@ -277,10 +330,12 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     """
     model = _with_ir_version(copy.deepcopy(forward))
     name_unnamed_nodes(model.graph)
+    drop_trailing_empty_inputs(model.graph)
     move_weights_to_inputs(model, list(trainable) + list(frozen))
     eval_model = copy.deepcopy(model)
     set_inference_mode(eval_model)
 
+    rewrite_undifferentiable_ops(model, trainable, loss_name)
     check_differentiable(model, trainable, loss_name)
     input_names = {graph_input.name for graph_input in model.graph.input}
     _force_dropout_training_mode(model)

@@ -289,7 +289,8 @@ class ORTTrainer:
             return model
 
     def _initialize_from_onnx(self):
-        """An ONNX forward+loss model: float initializers are trained unless frozen or BatchNorm statistics."""
+        """An ONNX forward+loss model: float initializers that reach the loss are trained, unless
+        frozen or BatchNorm statistics."""
         model = self._onnx_model
         graph.name_unnamed_nodes(model.graph)
         if self.model_desc is None:
@@ -304,7 +305,8 @@ class ORTTrainer:
             if _is_floating(init.data_type)
         }
         buffers = graph.batch_norm_statistics(model)
-        trainable = [name for name in weights if name not in frozen_names and name not in buffers]
+        candidates = [name for name in weights if name not in frozen_names and name not in buffers]
+        trainable = graph.weights_reaching_loss(model, candidates, self.model_desc.loss_output.name)
         self._batch_counters = {}
         self._build(model, weights, trainable)
 
@@ -321,7 +323,10 @@ class ORTTrainer:
             debug.deterministic_compute,
             debug.graph_save_paths.model_with_training_graph_after_optimization_path,
         )
-        self._train_session = session.TorchBoundSession(graphs.train, self._device, self._providers, options)
+        try:
+            self._train_session = session.TorchBoundSession(graphs.train, self._device, self._providers, options)
+        except onnxruntime.capi.onnxruntime_pybind11_state.NotImplemented as error:
+            raise graph.missing_kernel_error(error, self._device) from error
         self._eval_session = session.TorchBoundSession(graphs.eval, self._device, self._providers, options)
         self._record_input_types(graphs.eval)
         self._weights = weights

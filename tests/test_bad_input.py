@@ -137,11 +137,19 @@ def test_export_failure_is_wrapped_and_chained():
 
 
 def test_op_without_gradient_names_op_and_module():
-    class WithSoftplus(nn.Module):
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.RNN(8, 8, batch_first=True)
+
+        def forward(self, x):
+            return self.rnn(x)[0]
+
+    class WithRNN(nn.Module):
         def __init__(self):
             super().__init__()
             self.fc = nn.Linear(4, 8)
-            self.block = nn.Sequential(nn.Linear(8, 8), nn.Softplus())
+            self.block = Block()
             self.head = nn.Linear(8, 1)
 
         def forward(self, x):
@@ -149,9 +157,10 @@ def test_op_without_gradient_names_op_and_module():
 
     from orttrainer.graph import GradientBuildError
 
-    trainer = make_trainer(model=WithSoftplus(), loss_fn=F.mse_loss)
-    with pytest.raises(GradientBuildError, match=r"Softplus \(node '/model/block/block.1/Softplus', module 'block.1'\)"):
-        trainer.train_step(torch.randn(3, 4), torch.randn(3))
+    trainer = make_trainer(model=WithRNN(), loss_fn=F.mse_loss)
+    with pytest.raises(GradientBuildError, match=r"no gradient for these ops .*: RNN \(node '/model/block/rnn/RNN', module 'block.rnn'\)"):
+        trainer.train_step(torch.randn(3, 5, 4), torch.randn(3, 5))
+    assert trainer._training_session is None
 
 
 def test_wrong_constructor_arguments():
@@ -176,3 +185,20 @@ def test_batchnorm_with_cumulative_average_is_refused():
     trainer = make_trainer(model=model)
     with pytest.raises(NotImplementedError, match=r"module 'features.1' \(BatchNorm2d\) uses momentum=None"):
         trainer.train_step(*cnn_batch())
+
+
+@pytest.mark.parametrize(
+    "node_name, module",
+    [
+        ("/model/layer/self_attn/Softmax", "layer.self_attn"),
+        ("/model/features/features.1/Conv", "features.1"),
+        ("/model/model.0/Conv", "0"),
+        ("/model/block/rnn/RNN", "block.rnn"),
+        ("/model/Einsum", ""),
+        ("MatMul_0", ""),
+    ],
+)
+def test_module_path_from_exporter_scopes(node_name, module):
+    from orttrainer.graph import module_path
+
+    assert module_path(node_name) == module
