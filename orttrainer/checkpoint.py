@@ -178,10 +178,11 @@ def _check_same(values, what):
 def aggregate_checkpoints(paths, pytorch_format=True):
     """Merge per-rank ZeRO-1 checkpoints into one single-process checkpoint.
 
-    Files are ordered by their stored ``world_rank``; sharded optimizer moments (listed in
-    ``partition_info``) are concatenated in rank order and reshaped to ``original_dim``;
-    everything else must agree across ranks. With ``pytorch_format`` only the flat
-    {weight: tensor} dict is returned.
+    Files are ordered by their stored ``world_rank``. A weight whose optimizer state only
+    one rank holds (orttrainer's ZeRO) is taken from that rank; legacy flat shards (listed
+    in ``partition_info``, held by every rank) are concatenated in rank order and reshaped
+    to ``original_dim``; everything else must agree across ranks. With ``pytorch_format``
+    only the flat {weight: tensor} dict is returned.
     """
     states = [load(path) for path in paths]
     for path, state in zip(paths, states):
@@ -191,16 +192,23 @@ def aggregate_checkpoints(paths, pytorch_format=True):
     options = [state["trainer_options"] for state in states]
     if int(options[0]["horizontal_parallel_size"]) > 1:
         raise NotImplementedError("aggregating Megatron (horizontal_parallel_size > 1) checkpoints is not implemented")
-    for key in ("mixed_precision", "world_size", "zero_stage", "optimizer_name"):
-        _check_same([option[key] for option in options], f"trainer_options/{key}")
     ranks = [int(option["world_rank"]) for option in options]
     if sorted(ranks) != list(range(len(paths))) or int(options[0]["world_size"]) != len(paths):
         raise CheckpointError(f"expected one checkpoint per rank 0..{int(options[0]['world_size']) - 1}, got ranks {ranks}")
-    states = [state for _, state in sorted(zip(ranks, states), key=lambda pair: pair[0])]
-    partitions = states[0]["partition_info"]
+    merged = merge_rank_states([state for _, state in sorted(zip(ranks, states), key=lambda pair: pair[0])])
+    if pytorch_format:
+        return {name: torch.from_numpy(np.asarray(value)) for name, value in merged["model"]["full_precision"].items()}
+    return merged
+
+
+def merge_rank_states(states):
+    """One single-process state from the per-rank states of a ZeRO-1 run, in rank order."""
+    for key in ("mixed_precision", "world_size", "zero_stage", "optimizer_name"):
+        _check_same([state["trainer_options"][key] for state in states], f"trainer_options/{key}")
+    partitions = states[0].get("partition_info", {})
 
     def merge(name, key, values):
-        if name in partitions and key in ("Moment_1", "Moment_2"):
+        if "owner_rank" not in partitions.get(name, {"owner_rank": 0}) and key in ("Moment_1", "Moment_2"):
             return np.concatenate([np.asarray(value).reshape(-1) for value in values]).reshape(
                 [int(dim) for dim in partitions[name]["original_dim"]]
             )
@@ -208,14 +216,12 @@ def aggregate_checkpoints(paths, pytorch_format=True):
 
     weights = {name: _check_same([s["model"]["full_precision"][name] for s in states], name)
                for name in states[0]["model"]["full_precision"]}  # fmt: skip
-    if pytorch_format:
-        return {name: torch.from_numpy(np.asarray(value)) for name, value in weights.items()}
-    optimizer = {
-        name: {key: merge(name, key, [s["optimizer"][name][key] for s in states]) for key in entry}
-        for name, entry in states[0].get("optimizer", {}).items()
-    }
-    first = options[0]
-    aggregated = {
+    optimizer = {}
+    for name in dict.fromkeys(name for state in states for name in state.get("optimizer", {})):
+        holders = [state["optimizer"][name] for state in states if name in state.get("optimizer", {})]
+        optimizer[name] = {key: merge(name, key, [holder[key] for holder in holders]) for key in holders[0]}
+    first = states[0]["trainer_options"]
+    merged = {
         "model": {"full_precision": weights},
         "optimizer": optimizer,
         "trainer_options": {
@@ -230,5 +236,5 @@ def aggregate_checkpoints(paths, pytorch_format=True):
     }
     for key in ("train_step_info", "user_dict"):
         if key in states[0]:
-            aggregated[key] = states[0][key]
-    return aggregated
+            merged[key] = states[0][key]
+    return merged

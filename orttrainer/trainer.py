@@ -20,7 +20,7 @@ import onnxruntime
 import torch
 from onnx import numpy_helper
 
-from . import amp, checkpoint, export, graph, session
+from . import amp, checkpoint, distributed, export, graph, session
 from .model_desc import LABEL_NAME, _ORTTrainerModelDesc, forward_input_names, infer_model_desc
 from .optim import _update
 from .optim.config import _OptimizerConfig
@@ -81,7 +81,6 @@ def _check_supported(options):
         "graph_transformer.gelu_recompute": options.graph_transformer.gelu_recompute,
         "graph_transformer.transformer_layer_recompute": options.graph_transformer.transformer_layer_recompute,
         "mixed_precision.enabled": options.mixed_precision.enabled,
-        "distributed.world_size": options.distributed.world_size > 1,
     }
     used = [key for key, is_set in unsupported.items() if is_set]
     if used:
@@ -134,7 +133,8 @@ class ORTTrainer:
         self.model_desc = _ORTTrainerModelDesc(model_desc) if model_desc is not None else None
         self.optim_config = optim_config
         self.loss_fn = loss_fn
-        self._device = session.resolve_device(self.options.device.id)
+        self._world = distributed.world_from(self.options)
+        self._device = session.resolve_device(self._device_id(self.options))
         self._providers = session.device_providers(self._device, self.options.device.mem_limit, self.options.provider_options)
         self._train_step_info = TrainStepInfo(optim_config)
         self._torch_model = model if isinstance(model, torch.nn.Module) else None
@@ -142,11 +142,28 @@ class ORTTrainer:
         self._training_session = None
         self._load_state_dict = None
         self._seed = torch.initial_seed() % (1 << 63)
+        self._data_parallel = None
+        if self._world.is_distributed:
+            self._start_data_parallel()
         if self.options.mixed_precision.enabled and self.options.mixed_precision.loss_scaler is None:
             self.options.mixed_precision.loss_scaler = amp.DynamicLossScaler()
         if self._torch_model is None:
             self._onnx_model = model
             self._initialize_from_onnx()
+
+    def _device_id(self, options):
+        """device.id, with a bare 'cuda' meaning this process's local rank under torchrun."""
+        device_id = options.device.id
+        if device_id == "cuda" and self._world.is_distributed:
+            return f"cuda:{self._world.local_rank}"
+        return device_id
+
+    def _start_data_parallel(self):
+        world, settings = self._world, self.options.distributed
+        settings.world_rank, settings.world_size, settings.local_rank = world.rank, world.size, world.local_rank
+        settings.data_parallel_size = world.size // settings.horizontal_parallel_size
+        distributed.ensure_process_group(world, self._device)
+        self._data_parallel = distributed.DataParallel(world, settings.deepspeed_zero_optimization.stage)
 
     # ----------------------------------------------------------------- inputs
     def _gather_inputs(self, args, kwargs):
@@ -334,18 +351,28 @@ class ORTTrainer:
             for name, tensor in weights.items():
                 if name in bound.input_names:
                     bound.bind_input(name, tensor)
-        self._grads = {name: torch.zeros_like(weights[name]) for name in trainable}
+        self._flat_gradients, self._grads = _flat_buffers({name: weights[name] for name in trainable})
         self._gradient_outputs = graphs.gradient_outputs
         self._bind_gradients(self._grads)
         self._accumulation_scratch = None
         self._batch_norms = [_BatchNormStatistics(stats, weights, self._train_session) for stats in graphs.running_statistics]
         self._train_session.allocate_outputs(output_names)
+        owned = trainable
+        if self._data_parallel is not None:
+            owned = self._data_parallel.start(weights, trainable, graphs.train.SerializeToString() + repr(self._comparable_options()).encode())
+        self._owned = owned
         self._optimizer = _update.make_optimizer(
-            self.optim_config, {name: weights[name] for name in trainable}, self.options.utils.grad_norm_clip
+            self.optim_config, {name: weights[name] for name in owned}, self.options.utils.grad_norm_clip
         )
         self._training_session = self._train_session
         if self._load_state_dict is not None:
             self._load_state_dict()
+
+    def _comparable_options(self):
+        """The options every rank must share (its own rank numbers aside)."""
+        options = dict(self.options._validated_opts)
+        options["distributed"] = {k: v for k, v in options["distributed"].items() if k not in ("world_rank", "local_rank")}
+        return sorted((key, repr(value)) for key, value in options.items() if key not in ("session_options", "lr_scheduler"))
 
     def _bind_gradients(self, buffers):
         for name, tensor in buffers.items():
@@ -401,7 +428,7 @@ class ORTTrainer:
                 bound.bind_input(entry.name, tensor)
 
     def _dropout_seed(self, step):
-        digest = hashlib.sha256(f"{self._seed}:{step}".encode()).digest()
+        digest = hashlib.sha256(f"{self._seed}:{step}:{self._world.rank}".encode()).digest()
         return int.from_bytes(digest[:8], "little") >> 1
 
     def train_step(self, *args, **kwargs):
@@ -430,13 +457,26 @@ class ORTTrainer:
             batch_norm.update()
         for counter in self._batch_counters.values():
             counter += 1
+        if self._data_parallel is not None and self._batch_norms:
+            self._data_parallel.share_buffers([t for bn in self._batch_norms for t in (bn.mean, bn.var)])
         if not starts_window:
             torch._foreach_add_(list(self._grads.values()), list(self._accumulation_scratch.values()))
         lr = self._learning_rate()
         if info.step % accumulation == 0:
-            self._optimizer.step(list(self._grads.values()), lr, 1.0 / accumulation)
+            self._update_weights(lr, accumulation)
             info.optimization_step += 1
         return self._select_outputs(outputs, requested)
+
+    def _update_weights(self, lr, accumulation):
+        """Mean gradient over micro-batches (and ranks), then the optimizer on the owned weights."""
+        grads = list(self._grads.values())
+        if self._data_parallel is None:
+            self._optimizer.step(grads, lr, 1.0 / accumulation)
+            return
+        self._data_parallel.reduce_gradients(self._flat_gradients)
+        owned = [self._grads[name] for name in self._owned]
+        self._optimizer.step(owned, lr, 1.0 / (accumulation * self._world.size), norm_grads=grads)
+        self._data_parallel.share_updated_weights(self._weights)
 
     def _learning_rate(self):
         scheduler = self.options.lr_scheduler
@@ -496,6 +536,18 @@ class ORTTrainer:
             },
             "train_step_info": {"optimization_step": info.optimization_step, "step": info.step, "dropout_seed": self._seed},
             **self._accumulation_state(),
+            **self._partition_state(),
+        }
+
+    def _partition_state(self):
+        """ZeRO-1: which rank holds each weight's optimizer state (legacy key ``partition_info``)."""
+        if self._data_parallel is None or not self._data_parallel.owner:
+            return {}
+        return {
+            "partition_info": {
+                name: {"original_dim": np.array(self._weights[name].shape, dtype=np.int64), "owner_rank": np.int64(rank)}
+                for name, rank in self._data_parallel.owner.items()
+            }
         }
 
     def _accumulation_state(self):
@@ -540,8 +592,9 @@ class ORTTrainer:
                 given_name = given_name.decode()
             if given_name != self.optim_config.name:
                 raise RuntimeError(f"Optimizer mismatch: expected {self.optim_config.name}, got {given_name}")
-            if strict:
-                checkpoint.compare_keys(current["optimizer"], optimizer, "state_dict[optimizer]")
+            if strict:  # a ZeRO rank holds part of the optimizer state: other ranks' entries are expected
+                zero = self._data_parallel is not None and bool(self._data_parallel.owner)
+                checkpoint.compare_keys(current["optimizer"], optimizer, "state_dict[optimizer]", allow_unexpected=zero)
             optimizer = {
                 name: {key: _checked_tensor(value, current["optimizer"][name][key], f"state_dict[optimizer][{name}][{key}]")
                        for key, value in entry.items() if key in current["optimizer"].get(name, {})}
@@ -567,14 +620,32 @@ class ORTTrainer:
                 self._seed = int(info["dropout_seed"])
         self._load_state_dict = None
 
-    def save_checkpoint(self, path, user_dict=None, include_optimizer_states=True, overwrite=False):
-        """Write ``state_dict()`` (+ ``user_dict``, stored natively, never pickled) to an HDF5 file atomically."""
+    def save_checkpoint(self, path, user_dict=None, include_optimizer_states=True, overwrite=False, consolidate=False):
+        """Write ``state_dict()`` (+ ``user_dict``, stored natively, never pickled) to an HDF5 file atomically.
+
+        On several ranks the weights are the same everywhere, so rank 0 writes and the others
+        wait; under ZeRO each rank holds part of the optimizer state: every rank writes its
+        own file (put ``{rank}`` in ``path``), or with ``consolidate=True`` rank 0 gathers the
+        parts and writes one single-process checkpoint.
+        """
         state = dict(self.state_dict())
         if not include_optimizer_states:
             state.pop("optimizer", None)
         if user_dict:
             state["user_dict"] = user_dict
-        checkpoint.save(state, path, overwrite=overwrite)
+        if self._data_parallel is None:
+            checkpoint.save(state, path, overwrite=overwrite)
+            return
+        per_rank = bool(self._data_parallel.owner) and not consolidate
+        if per_rank:
+            if "{rank}" not in str(path):
+                raise ValueError(f"ZeRO checkpoints are per rank: put '{{rank}}' in the path ({path}) or pass consolidate=True")
+            checkpoint.save(state, str(path).format(rank=self._world.rank), overwrite=overwrite)
+        else:
+            parts = distributed.gather_objects(self._world, state) if self._data_parallel.owner else [state]
+            if self._world.rank == 0:
+                checkpoint.save(checkpoint.merge_rank_states(parts) if len(parts) > 1 else state, path, overwrite=overwrite)
+        distributed.barrier()
 
     def load_checkpoint(self, *paths, strict=True, allow_pickle=False):
         """Load a checkpoint written by ``save_checkpoint`` (or by the legacy ORTTrainer); return its user_dict.
@@ -582,6 +653,8 @@ class ORTTrainer:
         Per-rank ZeRO checkpoints (several paths) are aggregated first. A legacy pickled
         user_dict is only unpickled with ``allow_pickle=True``.
         """
+        if len(paths) == 1 and "{rank}" in str(paths[0]):
+            paths = [str(paths[0]).format(rank=rank) for rank in range(self._world.size)]
         if len(paths) > 1:
             state = checkpoint.aggregate_checkpoints(list(paths), pytorch_format=False)
         else:
@@ -604,6 +677,24 @@ class ORTTrainer:
         inference_model = copy.deepcopy(model)
         graph.set_inference_mode(inference_model)
         onnx.save(inference_model, path)
+
+
+def _flat_buffers(like: dict):
+    """Zeroed buffers shaped like ``like``'s tensors, as views of one flat tensor per dtype
+    (so that gradients can be all-reduced in one call); returns (flats, {name: view})."""
+    by_dtype = {}
+    for name, tensor in like.items():
+        by_dtype.setdefault(tensor.dtype, []).append(name)
+    flats, views = [], {}
+    for dtype, names in by_dtype.items():
+        flat = torch.zeros(sum(like[name].numel() for name in names), dtype=dtype, device=next(iter(like.values())).device)
+        offset = 0
+        for name in names:
+            size = like[name].numel()
+            views[name] = flat[offset : offset + size].view(like[name].shape)
+            offset += size
+        flats.append(flat)
+    return flats, {name: views[name] for name in like}
 
 
 def _checked_tensor(value, current, where):

@@ -31,3 +31,21 @@ def test_digits_classifier_trains():
     output = run_sample(ROOT / "samples/digits_classifier.py", "--epochs", 3)
     accuracy = float(output.rsplit("test accuracy: ", 1)[1].split("%")[0])
     assert accuracy > 80, output
+
+
+def test_torchrun_sample_trains_on_two_ranks_with_zero(tmp_path):
+    env = {key: value for key, value in ENV.items() if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(ROOT / "samples/torchrun_ddp.py"), "--epochs", "3", "--zero", "--checkpoint", str(tmp_path / "d.ortcp")]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("test accuracy") == 1, "only rank 0 reports"
+    accuracy = float(result.stdout.split("test accuracy ")[1].split("%")[0])
+    assert accuracy > 80, result.stdout
+    from orttrainer import checkpoint
+
+    state = checkpoint.load(tmp_path / "d.ortcp")
+    buffers = ("running_mean", "running_var", "num_batches_tracked")
+    weights = {name for name in state["model"]["full_precision"] if not name.endswith(buffers)}
+    assert state["trainer_options"]["world_size"] == 1
+    assert set(state["optimizer"]) == weights, "the consolidated file holds every rank's part of Adam's state"

@@ -40,7 +40,7 @@ class _SGD:
     def __init__(self, config, weights: dict, clip: bool):
         self.weights = list(weights.values())
 
-    def step(self, grads, lr: float, grad_scale: float = 1.0) -> None:
+    def step(self, grads, lr: float, grad_scale: float = 1.0, norm_grads=None) -> None:
         torch._foreach_add_(self.weights, grads, alpha=-lr * grad_scale)
 
     def state_dict(self) -> dict:
@@ -61,11 +61,14 @@ class _MomentOptimizer:
         self.moment_1 = [torch.zeros_like(weight) for weight in self.weights]
         self.moment_2 = [torch.zeros_like(weight) for weight in self.weights]
 
-    def _group_scales(self, grads, grad_scale):
-        """The factor each group's gradients are multiplied by: 1/N, then clipped to max_norm_clip."""
+    def _group_scales(self, norm_grads, grad_scale):
+        """The factor each group's gradients are multiplied by: 1/N, then clipped to max_norm_clip.
+
+        The norm is over ``norm_grads``: all gradients, also where this rank updates a part (ZeRO).
+        """
         if not self.clip:
             return [grad_scale] * len(self.groups)
-        norm = global_norm(grads).item() * grad_scale
+        norm = global_norm(norm_grads).item() * grad_scale
         scales = []
         for hyper, _ in self.groups:
             limit = hyper["max_norm_clip"]
@@ -110,8 +113,9 @@ class _Adam(_MomentOptimizer):
         super().__init__(config, weights, clip)
         self.update_count = [1] * len(self.weights)
 
-    def step(self, grads, lr: float, grad_scale: float = 1.0) -> None:
-        for (hyper, indices), scale in zip(self.groups, self._group_scales(grads, grad_scale)):
+    def step(self, grads, lr: float, grad_scale: float = 1.0, norm_grads=None) -> None:
+        scales = self._group_scales(grads if norm_grads is None else norm_grads, grad_scale)
+        for (hyper, indices), scale in zip(self.groups, scales):
             for count, same_count in self._by_update_count(indices):
                 self._step_group(_pick(grads, same_count), lr, scale, hyper, same_count, count)
                 for index in same_count:
@@ -179,8 +183,9 @@ class _Lamb(_MomentOptimizer):
         super().__init__(config, weights, clip)
         self.step_count = 1
 
-    def step(self, grads, lr: float, grad_scale: float = 1.0) -> None:
-        for (hyper, indices), scale in zip(self.groups, self._group_scales(grads, grad_scale)):
+    def step(self, grads, lr: float, grad_scale: float = 1.0, norm_grads=None) -> None:
+        scales = self._group_scales(grads if norm_grads is None else norm_grads, grad_scale)
+        for (hyper, indices), scale in zip(self.groups, scales):
             self._step_group(_pick(grads, indices), lr, scale, hyper, indices)
         self.step_count += 1
 

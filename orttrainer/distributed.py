@@ -1,0 +1,137 @@
+"""Data parallelism on torch.distributed: world info, gradient all-reduce, ZeRO-1 ownership.
+
+Works under ``torchrun`` (RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT in
+the environment) or with ranks given in ``options.distributed``. The process group is
+initialised here unless the user already did (gloo on the CPU, NCCL on CUDA), with a
+collective timeout so that a dead peer ends the job instead of hanging it.
+"""
+
+import hashlib
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.size > 1
+
+
+def world_from(options) -> World:
+    """Ranks from torchrun's environment and/or ``options.distributed``; they must agree."""
+    given = options._original_opts.get("distributed", {})
+    world = {}
+    for key, env_name, option_name in (
+        ("rank", "RANK", "world_rank"),
+        ("size", "WORLD_SIZE", "world_size"),
+        ("local_rank", "LOCAL_RANK", "local_rank"),
+    ):
+        from_env = int(os.environ[env_name]) if env_name in os.environ else None
+        from_options = given.get(option_name)
+        if from_env is not None and from_options is not None and from_env != from_options:
+            raise ValueError(
+                f"options distributed.{option_name} is {from_options} but the environment says {env_name}={from_env}"
+            )
+        world[key] = from_options if from_options is not None else from_env if from_env is not None else World.__dataclass_fields__[key].default
+    if not 0 <= world["rank"] < world["size"]:
+        raise ValueError(f"distributed.world_rank {world['rank']} is outside 0..{world['size'] - 1}")
+    return World(**world)
+
+
+def ensure_process_group(world: World, device: torch.device) -> None:
+    """Join the process group (env:// rendezvous), unless the user already did."""
+    if dist.is_initialized():
+        if dist.get_world_size() != world.size or dist.get_rank() != world.rank:
+            raise ValueError(
+                f"the existing process group is rank {dist.get_rank()} of {dist.get_world_size()}, "
+                f"but the options say rank {world.rank} of {world.size}"
+            )
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=world.rank, world_size=world.size, timeout=COLLECTIVE_TIMEOUT)
+
+
+def broadcast(tensors, source: int = 0) -> None:
+    for tensor in tensors:
+        dist.broadcast(tensor, source)
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> None:
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+
+
+def check_same_on_all_ranks(world: World, description: str, blob: bytes) -> None:
+    """Fail on every rank if ``blob`` (e.g. the training graph + options) differs anywhere."""
+    digest = hashlib.sha256(blob).hexdigest()
+    digests = [None] * world.size
+    dist.all_gather_object(digests, digest)
+    differing = [rank for rank, other in enumerate(digests) if other != digests[0]]
+    if differing:
+        raise RuntimeError(f"{description} differs between rank 0 and rank(s) {differing}: every rank must build the same model")
+
+
+def gather_objects(world: World, value):
+    gathered = [None] * world.size
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def barrier() -> None:
+    dist.barrier()
+
+
+def owners(sizes: dict, world_size: int) -> dict:
+    """ZeRO-1 ownership: each weight to one rank, balancing element counts (largest first)."""
+    load = [0] * world_size
+    owner = {}
+    for name in sorted(sizes, key=lambda name: (-sizes[name], name)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owner[name] = rank
+        load[rank] += sizes[name]
+    return owner
+
+
+class DataParallel:
+    """What a training step does differently on several ranks.
+
+    Gradients are summed over ranks in one all-reduce per flat buffer (the trainer divides
+    by N·D). With ZeRO stage 1 each weight's optimizer state lives on its owner only; the
+    owner updates it and broadcasts the new values.
+    """
+
+    def __init__(self, world: World, zero_stage: int):
+        self.world = world
+        self.zero_stage = zero_stage
+        self.owner = {}
+
+    def start(self, weights: dict, trainable, description: bytes) -> list:
+        """Check every rank built the same thing, start from rank 0's weights; return owned names."""
+        check_same_on_all_ranks(self.world, "the training graph or the options", description)
+        broadcast(weights.values(), 0)
+        if self.zero_stage == 0:
+            return list(trainable)
+        self.owner = owners({name: weights[name].numel() for name in trainable}, self.world.size)
+        return [name for name in trainable if self.owner[name] == self.world.rank]
+
+    def reduce_gradients(self, flat_buffers) -> None:
+        for flat in flat_buffers:
+            all_reduce_sum(flat)
+
+    def share_updated_weights(self, weights: dict) -> None:
+        for name, rank in self.owner.items():
+            dist.broadcast(weights[name], rank)
+
+    def share_buffers(self, buffers) -> None:
+        """Keep BatchNorm statistics equal on all ranks: rank 0's win (torch DDP's default)."""
+        broadcast(buffers, 0)

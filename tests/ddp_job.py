@@ -1,0 +1,57 @@
+"""A data-parallel training job for the distributed tests (run under torchrun, or alone).
+
+Step k's global batch is always the same tensors; rank r of R trains on rows [r*G/R, (r+1)*G/R).
+"""
+
+import argparse
+import os
+
+import numpy as np
+import torch
+from models import Encoder, lm_loss, token_batch
+
+from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--start", type=int, default=0)
+    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--accumulation", type=int, default=1)
+    parser.add_argument("--zero", action="store_true")
+    parser.add_argument("--clip", action="store_true")
+    parser.add_argument("--save-at", type=int, default=-1, help="save per-rank checkpoints after this many steps")
+    parser.add_argument("--checkpoint", help="path with {rank} for per-rank checkpoints")
+    parser.add_argument("--load", nargs="*", default=[])
+    parser.add_argument("--crash-at", type=int, default=-1, help="rank 1 raises at this step")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    torch.manual_seed(rank)  # different initial weights on purpose: rank 0's must win
+    options = ORTTrainerOptions({
+        "device": {"id": "cpu"},
+        "batch": {"gradient_accumulation_steps": args.accumulation},
+        "utils": {"grad_norm_clip": args.clip},
+        "distributed": {"deepspeed_zero_optimization": {"stage": 1 if args.zero else 0}},
+    })
+    config = optim.AdamConfig(lr=2e-3, lambda_coef=0.01, epsilon=1e-4, max_norm_clip=0.2)
+    trainer = ORTTrainer(Encoder(dropout=0.0), None, config, loss_fn=lm_loss, options=options)
+    if args.load:
+        trainer.load_checkpoint(*args.load)
+    share = args.global_batch // world
+    for step in range(args.start, args.steps):
+        if step == args.crash_at and rank == 1:
+            raise RuntimeError("rank 1 fails on purpose")
+        tokens, labels = token_batch(batch=args.global_batch, generator=torch.Generator().manual_seed(step))
+        trainer.train_step(tokens[rank * share : (rank + 1) * share], labels[rank * share : (rank + 1) * share])
+        if step + 1 == args.save_at:
+            trainer.save_checkpoint(args.checkpoint)
+    state = trainer.state_dict()
+    if rank == 0:
+        np.savez(args.out, **{f"weight/{k}": v for k, v in state["model"]["full_precision"].items()})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Data parallel training under torchrun (gloo, 2 processes on the CPU)."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from orttrainer import ORTTrainerOptions
+from orttrainer.distributed import owners, world_from
+
+HERE = Path(__file__).parent
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH")]))}
+for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    ENV.pop(name, None)
+
+
+def run(*args, ranks=1, check=True, timeout=300):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if ranks > 1 else [sys.executable]
+    result = subprocess.run([*launcher, str(HERE / "ddp_job.py"), *map(str, args)], cwd=HERE, env=ENV,
+                            capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def assert_same_weights(path_a, path_b):
+    a, b = np.load(path_a), np.load(path_b)
+    assert sorted(a.files) == sorted(b.files) and len(a.files) > 10
+    for key in a.files:
+        np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-5, err_msg=key)
+
+
+@pytest.mark.parametrize("zero", [False, True], ids=["adam+accumulation", "zero1+adam+accumulation+clipping"])
+def test_two_ranks_with_batch_b_equal_one_process_with_batch_2b(tmp_path, zero):
+    flags = ["--steps", 6, "--accumulation", 2] + (["--zero", "--clip"] if zero else [])
+    run(*flags, "--out", tmp_path / "single.npz")
+    run(*flags, "--out", tmp_path / "two.npz", ranks=2)
+    assert_same_weights(tmp_path / "single.npz", tmp_path / "two.npz")
+
+
+def test_zero_checkpoints_aggregate_and_resume_in_one_process(tmp_path):
+    checkpoint = tmp_path / "ckpt.{rank}.h5"
+    run("--steps", 7, "--zero", "--save-at", 4, "--checkpoint", checkpoint, "--out", tmp_path / "two.npz", ranks=2)
+    parts = [str(checkpoint).format(rank=rank) for rank in (0, 1)]
+    run("--start", 4, "--steps", 7, "--load", *parts, "--out", tmp_path / "resumed.npz")
+    assert_same_weights(tmp_path / "two.npz", tmp_path / "resumed.npz")
+
+
+def test_a_crashing_rank_ends_the_job_in_bounded_time(tmp_path):
+    start = time.monotonic()
+    result = run("--steps", 50, "--crash-at", 2, "--out", tmp_path / "x.npz", ranks=2, check=False, timeout=240)
+    assert result.returncode != 0
+    assert "rank 1 fails on purpose" in result.stderr
+    assert time.monotonic() - start < 120
+
+
+def test_world_from_environment_and_options(monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    world = world_from(ORTTrainerOptions({"device": {"id": "cpu"}}))
+    assert (world.rank, world.size, world.local_rank) == (1, 4, 1)
+    assert world_from(ORTTrainerOptions({"distributed": {"world_size": 4, "world_rank": 1}})).size == 4
+    with pytest.raises(ValueError, match=r"distributed.world_size is 2 but the environment says WORLD_SIZE=4"):
+        world_from(ORTTrainerOptions({"distributed": {"world_size": 2}}))
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("LOCAL_RANK")
+    with pytest.raises(ValueError, match=r"world_rank 3 is outside 0..1"):
+        world_from(ORTTrainerOptions({"distributed": {"world_size": 2, "world_rank": 3}}))
+
+
+def test_zero_ownership_balances_elements():
+    sizes = {"a": 100, "b": 60, "c": 50, "d": 10}
+    owner = owners(sizes, 2)
+    load = [sum(size for name, size in sizes.items() if owner[name] == rank) for rank in (0, 1)]
+    assert load == [110, 110] and set(owner) == set(sizes)
+
+
+def test_mismatched_models_across_ranks_are_detected(tmp_path):
+    script = tmp_path / "mismatch.py"
+    script.write_text(f"""
+import os, sys, torch, torch.nn.functional as F
+sys.path.insert(0, {str(HERE)!r})
+from models import MLP, mlp_batch
+from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+rank = int(os.environ["RANK"])
+model = MLP(hidden=64 if rank == 0 else 32)
+trainer = ORTTrainer(model, None, optim.SGDConfig(), loss_fn=F.cross_entropy, options=ORTTrainerOptions({{"device": {{"id": "cpu"}}}}))
+trainer.train_step(*mlp_batch())
+""")
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
+                            env=ENV, capture_output=True, text=True, timeout=240)
+    assert result.returncode != 0
+    assert "the training graph or the options differs between rank 0 and rank(s) [1]" in result.stderr
