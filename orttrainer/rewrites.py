@@ -1,8 +1,9 @@
 """Rewrite ops onnxruntime-training cannot differentiate into equivalent ops it can.
 
-Each rewrite is a small function ``(node, build) -> None`` that emits, through ``build``,
-nodes computing ``node``'s output from its inputs with ops that have gradient builders
-(and CPU gradient kernels) in onnxruntime-training 1.19. Values and gradients match torch
+Each rewrite is a small function ``(build) -> None`` that emits, through ``build``, nodes
+computing the node's output from its inputs with ops that have gradient builders (and
+fast CPU gradient kernels) in onnxruntime-training 1.19; one that returns ``False``
+leaves this node as it is. Values and gradients match torch
 (tests/test_rewrites.py). ``rewrite_for_training`` applies them to a whole graph; only the
 training graph is rewritten, inference keeps the original (faster) ops.
 """
@@ -78,10 +79,10 @@ class _Build:
             return self.op("Unsqueeze", [x, self.const(axes, np.int64)])
         return self.op("Unsqueeze", [x], axes=list(axes))
 
-    def squeeze(self, x, axes):
+    def squeeze(self, x, axes, output=None):
         if self.opset >= 13:
-            return self.op("Squeeze", [x, self.const(axes, np.int64)])
-        return self.op("Squeeze", [x], axes=list(axes))
+            return self.op("Squeeze", [x, self.const(axes, np.int64)], output)
+        return self.op("Squeeze", [x], output, axes=list(axes))
 
     def reduce_axes(self):
         """(axes, keepdims) of the Reduce node being replaced, wherever its opset keeps them."""
@@ -220,6 +221,25 @@ def space_to_depth(build):
     moved = build.op("Transpose", [split], perm=[0, 3, 5, 1, 2, 4])
     shape = [0, channels * block * block, height // block, width // block]
     build.op("Reshape", [moved, build.const(shape, np.int64)], _output(build))
+
+
+def constant_index_gather(build):
+    """Gather of one constant index as Slice + Squeeze (nn.MultiheadAttention's q/k/v split).
+
+    Its GatherGrad locks a mutex per element (about 70 ms of a 2-layer encoder step);
+    the Slice gradient is a plain copy. Other Gathers are kept (returns False).
+    """
+    data, indices = build.node.input
+    if indices not in build.constants or build.constants[indices].ndim != 0:
+        return False
+    axis = build.attribute("axis", 0)
+    index = int(build.constants[indices])
+    if index < 0:
+        (size,) = build.static_dims(data, [axis])
+        index += size
+    bounds = [build.const([index], np.int64), build.const([index + 1], np.int64), build.const([axis], np.int64)]
+    build.squeeze(build.op("Slice", [data, *bounds]), [axis], _output(build))
+    return True
 
 
 def nearest_upsample(build):
@@ -440,6 +460,7 @@ REWRITES = {
     "InstanceNormalization": instance_normalization,
     "AveragePool": average_pool,
     "Resize": nearest_upsample,
+    "Gather": constant_index_gather,
     "DepthToSpace": depth_to_space,
     "SpaceToDepth": space_to_depth,
     "CumSum": cumsum,
@@ -517,15 +538,15 @@ def rewrite_for_training(model: onnx.ModelProto, only_between=None) -> list:
         return []
     shapes, constants, opset = _static_shapes(model), _constants(model), _opset(model)
     target_ids = {id(node) for node in targets}
-    rebuilt = []
+    rebuilt, rewritten = [], []
     for node in model.graph.node:
-        if id(node) in target_ids:
-            build = _Build(model.graph, node, opset, shapes, constants)
-            REWRITES[node.op_type](build)
+        build = _Build(model.graph, node, opset, shapes, constants) if id(node) in target_ids else None
+        if build is not None and REWRITES[node.op_type](build) is not False:
             rebuilt.extend(build.nodes)
             model.graph.initializer.extend(build.initializers)
+            rewritten.append(node.name)
         else:
             rebuilt.append(node)
     del model.graph.node[:]
     model.graph.node.extend(rebuilt)
-    return [node.name for node in targets]
+    return rewritten

@@ -356,7 +356,11 @@ class ORTTrainer:
         self._bind_gradients(self._grads)
         self._accumulation_scratch = None
         self._batch_norms = [_BatchNormStatistics(stats, weights, self._train_session) for stats in graphs.running_statistics]
-        self._train_session.allocate_outputs(output_names)
+        self._embeddings = graphs.embedding_gradients
+        for embedding in self._embeddings:
+            self._train_session.bind_input(embedding.lookup_input, weights[embedding.weight])
+        embedding_outputs = [name for e in self._embeddings for name in (e.rows_gradient, e.indices_output)]
+        self._train_session.allocate_outputs(output_names + embedding_outputs)
         owned = trainable
         if self._data_parallel is not None:
             owned = self._data_parallel.start(weights, trainable, graphs.train.SerializeToString() + repr(self._comparable_options()).encode())
@@ -376,8 +380,19 @@ class ORTTrainer:
 
     def _bind_gradients(self, buffers):
         for name, tensor in buffers.items():
-            self._train_session.bind_output(self._gradient_outputs[name], tensor)
+            if name in self._gradient_outputs:  # embeddings only looked up get theirs from _add_embedding_gradients
+                self._train_session.bind_output(self._gradient_outputs[name], tensor)
         self._gradients_bound_to = buffers
+
+    def _add_embedding_gradients(self, embedding_outputs):
+        """Scatter-add each lookup's row gradients into its weight's gradient (see graph.EmbeddingGradient)."""
+        cleared = set()
+        for embedding, rows, indices in zip(self._embeddings, embedding_outputs[::2], embedding_outputs[1::2]):
+            target = self._gradients_bound_to[embedding.weight]
+            if embedding.weight not in self._gradient_outputs and embedding.weight not in cleared:
+                target.zero_()
+                cleared.add(embedding.weight)
+            target.index_add_(0, indices.reshape(-1), rows.reshape(indices.numel(), *target.shape[1:]))
 
     def _record_input_types(self, eval_model):
         types = {graph_input.name: graph_input.type.tensor_type.elem_type for graph_input in eval_model.graph.input}
@@ -453,6 +468,8 @@ class ORTTrainer:
         for batch_norm in self._batch_norms:
             batch_norm.save_old()
         outputs = self._train_session.run()
+        outputs, embedding_outputs = outputs[: len(self.model_desc.outputs)], outputs[len(self.model_desc.outputs) :]
+        self._add_embedding_gradients(embedding_outputs)
         for batch_norm in self._batch_norms:
             batch_norm.update()
         for counter in self._batch_counters.values():

@@ -1,5 +1,6 @@
 """orttrainer with SGD equals a plain torch SGD loop, step by step, on real models."""
 
+import copy
 import warnings
 
 import torch
@@ -19,7 +20,7 @@ from models import (
 )
 from parity import cpu_options, run_parity
 
-from orttrainer import optim
+from orttrainer import ORTTrainer, optim
 
 STEPS = 6
 
@@ -159,3 +160,38 @@ def test_onnx_model_input(tmp_path):
     state = trainer.state_dict(pytorch_format=True)
     for name, tensor in reference.state_dict().items():
         torch.testing.assert_close(state[name], tensor, atol=1e-5, rtol=1e-5)
+
+
+class TiedLM(torch.nn.Module):
+    """Embedding lookup and output projection share one weight (as GPT-2 does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens = torch.nn.Embedding(50, 16)
+        self.mix = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 50, bias=False)
+        self.head.weight = self.tokens.weight
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.mix(self.tokens(tokens))))
+
+
+def test_tied_embedding_gets_both_gradients_with_accumulation():
+    """The lookup's gradient (scatter-added by torch) and the projection's (from the graph) add up."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    reference = copy.deepcopy(model)
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.5), loss_fn=lm_loss,
+                         options=cpu_options({"batch": {"gradient_accumulation_steps": 2}}))
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    generator = torch.Generator().manual_seed(0)
+    for window in range(3):
+        micro = [token_batch(batch=2, generator=generator) for _ in range(2)]
+        for tokens, labels in micro:
+            trainer.train_step(tokens, labels)
+        optimizer.zero_grad()
+        lm_loss(reference(torch.cat([m[0] for m in micro])), torch.cat([m[1] for m in micro])).backward()
+        optimizer.step()
+        state = trainer.state_dict(pytorch_format=True)
+        torch.testing.assert_close(state["tokens.weight"], reference.tokens.weight.detach(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(state["mix.weight"], reference.mix.weight.detach(), atol=1e-5, rtol=1e-5)

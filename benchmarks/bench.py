@@ -1,0 +1,364 @@
+"""Train-step speed and memory: orttrainer against the other ways to train the same model.
+
+Contenders (same model definition, initial weights, batches and AdamW hyper-parameters):
+torch eager, torch.compile, orttrainer, ONNX Runtime's on-device training API, ORTModule.
+Each contender runs in its own worker process (so its peak RSS is its own); the parent
+interleaves timing rounds across workers so that machine noise hits all alike. Warm-up
+includes backward. A GEMM ceiling measured in the same run puts GFLOP/s in context.
+
+    python benchmarks/bench.py            # full run, writes benchmarks/results/bench.{json,md,png}
+    python benchmarks/bench.py --quick    # seconds; what CI runs (checks it works, not timings)
+"""
+
+import argparse
+import json
+import multiprocessing
+import os
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from workloads import WORKLOADS, Workload  # noqa: E402
+
+CONTENDERS = ["torch eager", "torch.compile", "orttrainer", "on-device ORT API", "ORTModule"]
+ADAMW = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+TUNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
+RESULTS = Path(__file__).parent / "results"
+
+
+def _tiny_workload():
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    return Workload("1-element model (overhead)", lambda: nn.Linear(1, 1), F.mse_loss,
+                    lambda g: (torch.randn(1, 1, generator=g), torch.randn(1, 1, generator=g)))
+
+
+# ------------------------------------------------------------------------ contenders
+class _Timed:
+    """Wraps a callable and keeps the durations of its calls."""
+
+    def __init__(self, function):
+        self.function, self.durations = function, []
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        result = self.function(*args, **kwargs)
+        self.durations.append(time.perf_counter() - start)
+        return result
+
+
+def _torch_step(model, workload, compiled):
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    forward = torch.compile(model) if compiled else model
+    timed_update = _Timed(optimizer.step)
+
+    def step(batch):
+        optimizer.zero_grad(set_to_none=True)
+        workload.loss_fn(forward(*batch[:-1]), batch[-1]).backward()
+        timed_update()
+
+    return step, timed_update
+
+
+def _orttrainer_step(model, workload):
+    from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+
+    config = optim.AdamConfig(lr=ADAMW["lr"], alpha=ADAMW["betas"][0], beta=ADAMW["betas"][1], epsilon=ADAMW["eps"],
+                              lambda_coef=ADAMW["weight_decay"])
+    trainer = ORTTrainer(model, None, config, loss_fn=workload.loss_fn,
+                         options=ORTTrainerOptions({"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False}}))
+    timed = {}
+
+    def step(batch):
+        trainer.train_step(*batch)
+        if not timed:  # the optimizer exists after the first step
+            timed["update"] = trainer._optimizer.step = _Timed(trainer._optimizer.step)
+
+    class _Update:
+        @property
+        def durations(self):
+            return timed["update"].durations if timed else []
+
+    return step, _Update()
+
+
+def _on_device_step(model, workload, batch):
+    """ONNX Runtime's on-device training API with its own loss block (as its users would)."""
+    import io
+
+    import onnx
+    from onnxruntime.training import api, artifacts
+
+    class TwoDimensional(torch.nn.Module):
+        """The on-device loss blocks take [N, C] logits (and [N] labels)."""
+
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, *inputs):
+            output = self.model(*inputs)
+            return output.reshape(-1, output.shape[-1])
+
+    classification = workload.loss_fn is not torch.nn.functional.mse_loss
+    buffer = io.BytesIO()
+    torch.onnx.export(TwoDimensional(), tuple(batch[:-1]), buffer, dynamo=False, opset_version=17,
+                      do_constant_folding=False, training=torch.onnx.TrainingMode.TRAINING,
+                      input_names=[f"input{i}" for i in range(len(batch) - 1)], output_names=["output"])
+    exported = onnx.load_from_string(buffer.getvalue())
+    names = {init.name for init in exported.graph.initializer}
+    requires_grad = [f"model.{name}" for name, _ in model.named_parameters() if f"model.{name}" in names]
+    loss = artifacts.LossType.CrossEntropyLoss if classification else artifacts.LossType.MSELoss
+    directory = tempfile.mkdtemp()
+    artifacts.generate_artifacts(exported, requires_grad=requires_grad, loss=loss, optimizer=artifacts.OptimType.AdamW,
+                                 artifact_directory=directory)
+    for path in Path(directory).glob("*.onnx"):  # onnx 1.23 writes IR 14; ONNX Runtime 1.19 loads <= 10
+        artifact = onnx.load(path)
+        artifact.ir_version = min(artifact.ir_version, 10)
+        onnx.save(artifact, path)
+    state = api.CheckpointState.load_checkpoint(f"{directory}/checkpoint")
+    module = api.Module(f"{directory}/training_model.onnx", state, f"{directory}/eval_model.onnx")
+    optimizer = api.Optimizer(f"{directory}/optimizer_model.onnx", module)
+    optimizer.set_learning_rate(ADAMW["lr"])
+    module.train()
+    timed_update = _Timed(optimizer.step)
+
+    def step(batch):
+        *inputs, label = (tensor.numpy() for tensor in batch)
+        module(*inputs, label.reshape(-1) if classification else label)
+        timed_update()
+        module.lazy_reset_grad()
+
+    return step, timed_update
+
+
+def _ortmodule_step(model, workload):
+    from onnxruntime.training.ortmodule import ORTModule  # fails with torch 2.13: reported as such
+
+    return _torch_step(ORTModule(model), workload, compiled=False)
+
+
+def _make_step(contender, workload, batch):
+    torch.manual_seed(0)
+    model = workload.make_model()
+    if contender == "torch eager":
+        return _torch_step(model, workload, compiled=False)
+    if contender == "torch.compile":
+        return _torch_step(model, workload, compiled=True)
+    if contender == "orttrainer":
+        return _orttrainer_step(model, workload)
+    if contender == "on-device ORT API":
+        return _on_device_step(model, workload, batch)
+    return _ortmodule_step(model, workload)
+
+
+# ---------------------------------------------------------------------------- worker
+def _worker(connection, workload_index, contender, warmup, quick):
+    """Build one contender, warm it up, then time rounds on request; report peak RSS last."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    import onnxruntime
+
+    onnxruntime.set_default_logger_severity(3)
+    workload = _workloads(quick)[workload_index]
+    generator = torch.Generator().manual_seed(0)
+    batches = [workload.make_batch(generator) for _ in range(4)]
+    stderr = os.dup(2)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # graph builders log every transformer at INFO level
+    try:
+        step, update = _make_step(contender, workload, batches[0])
+        for index in range(warmup):
+            step(batches[index % len(batches)])
+    except Exception as error:  # a contender that cannot run this model is reported, not fatal
+        connection.send({"error": f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"})
+        return
+    finally:
+        os.dup2(stderr, 2)
+    connection.send({"ready": True})
+    index = 0
+    while True:
+        request = connection.recv()
+        if request == "done":
+            break
+        durations, updates_before = [], len(update.durations)
+        for _ in range(request):
+            start = time.perf_counter()
+            step(batches[index % len(batches)])
+            durations.append(time.perf_counter() - start)
+            index += 1
+        connection.send({"durations": durations, "updates": update.durations[updates_before:]})
+    connection.send({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+
+
+def _workloads(quick):
+    if quick:
+        return [WORKLOADS[1], _tiny_workload()]
+    return WORKLOADS + [_tiny_workload()]
+
+
+# ---------------------------------------------------------------------------- parent
+def gemm_ceiling_gflops(size=1024, repeats=20):
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        torch.mm(a, b)
+    return 2 * size**3 * repeats / (time.perf_counter() - start) / 1e9
+
+
+def step_gflop(workload):
+    """FLOPs of one forward + backward, counted by torch on the eager model."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    model = workload.make_model()
+    batch = workload.make_batch(torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False) as counter:
+        workload.loss_fn(model(*batch[:-1]), batch[-1]).backward()
+    return counter.get_total_flops() / 1e9
+
+
+def measure(workload_index, workload, rounds, steps, warmup, quick, env):
+    """{contender: result} for one workload, rounds interleaved across the workers."""
+    context = multiprocessing.get_context("spawn")
+    saved = dict(os.environ)
+    os.environ.update(env)
+    workers = {}
+    try:
+        for contender in CONTENDERS:
+            if quick and contender == "torch.compile":
+                continue
+            parent, child = context.Pipe()
+            process = context.Process(target=_worker, args=(child, workload_index, contender, warmup, quick), daemon=True)
+            process.start()
+            workers[contender] = (parent, process)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    results = {}
+    for contender, (connection, _) in workers.items():
+        message = connection.recv()
+        results[contender] = {"error": message["error"]} if "error" in message else {"durations": [], "updates": []}
+    for _ in range(rounds):
+        for contender, (connection, _) in workers.items():
+            if "error" not in results[contender]:
+                connection.send(steps)
+                message = connection.recv()
+                results[contender]["durations"] += message["durations"]
+                results[contender]["updates"] += message["updates"]
+    for contender, (connection, process) in workers.items():
+        if "error" not in results[contender]:
+            connection.send("done")
+            results[contender]["peak_rss_mb"] = connection.recv()["peak_rss_mb"]
+        process.join(timeout=60)
+    return results
+
+
+def summarize(results, gflop):
+    eager = results.get("torch eager", {})
+    eager_median = statistics.median(eager["durations"]) if eager.get("durations") else None
+    summary = {}
+    for contender, result in results.items():
+        if "error" in result:
+            summary[contender] = {"error": result["error"]}
+            continue
+        times = [duration * 1e3 for duration in result["durations"]]
+        median = statistics.median(times)
+        entry = {"median_ms": median, "min_ms": min(times), "max_ms": max(times), "peak_rss_mb": result["peak_rss_mb"],
+                 "gflops": gflop / (median / 1e3) if gflop else None}
+        if eager_median:
+            entry["vs_eager"] = median / (eager_median * 1e3)
+        if result["updates"]:
+            entry["optimizer_ms"] = statistics.median(result["updates"]) * 1e3
+        summary[contender] = entry
+    return summary
+
+
+def markdown(report):
+    lines = [f"Measured {report['date']} on {report['machine']}, {report['threads']} torch threads; "
+             f"GEMM ceiling {report['gemm_gflops']:.0f} GFLOP/s. ms per train step (forward, backward, AdamW): "
+             "median [min-max], ratio to eager, optimizer ms, peak RSS MB, achieved GFLOP/s."]
+    for variant, workloads in report["variants"].items():
+        lines += ["", f"**{variant}**", "", "| workload | " + " | ".join(CONTENDERS) + " |", "|---" * (len(CONTENDERS) + 1) + "|"]
+        for workload, summary in workloads.items():
+            cells = []
+            for contender in CONTENDERS:
+                entry = summary.get(contender)
+                if entry is None:
+                    cells.append("not run")
+                elif "error" in entry:
+                    cells.append("fails: " + entry["error"].split(":")[0])
+                else:
+                    ratio = f" ({entry['vs_eager']:.2f}x)" if "vs_eager" in entry else ""
+                    optimizer = f", opt {entry['optimizer_ms']:.1f}" if "optimizer_ms" in entry else ""
+                    gflops = f", {entry['gflops']:.0f} GF/s" if entry.get("gflops") else ""
+                    cells.append(f"{entry['median_ms']:.2f} [{entry['min_ms']:.1f}-{entry['max_ms']:.1f}]{ratio}{optimizer}, "
+                                 f"{entry['peak_rss_mb']:.0f} MB{gflops}")
+            lines.append(f"| {workload} | " + " | ".join(cells) + " |")
+    errors = {entry["error"] for workloads in report["variants"].values() for summary in workloads.values()
+              for entry in summary.values() if "error" in entry}
+    if errors:
+        lines += ["", "Failures: " + "; ".join(sorted(errors))]
+    return "\n".join(lines)
+
+
+def bar_chart(report, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variant, workloads = next(iter(report["variants"].items()))
+    names = [name for name in workloads if "overhead" not in name]
+    figure, axes = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(CONTENDERS)
+    for index, contender in enumerate(CONTENDERS):
+        ratios = [workloads[name].get(contender, {}).get("vs_eager", 0) for name in names]
+        axes.bar([i + index * width for i in range(len(names))], ratios, width, label=contender)
+    axes.axhline(1.0, color="gray", linestyle="--")
+    axes.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, fontsize=8)
+    axes.set_ylabel("step time / torch eager (lower is faster)")
+    axes.set_title(variant)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small workloads, few steps, no torch.compile (for CI)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10, help="steps per round")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    rounds, steps, warmup = (2, 3, 2) if args.quick else (args.rounds, args.steps, 5)
+    variants = {"default malloc": {}} if args.quick else {"default malloc": {}, "tuned malloc (" + " ".join(f"{k}={v}" for k, v in TUNED_MALLOC.items()) + ")": TUNED_MALLOC}
+    report = {"date": date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+              "threads": torch.get_num_threads(), "gemm_gflops": gemm_ceiling_gflops(), "variants": {}}
+    for variant, env in variants.items():
+        report["variants"][variant] = {}
+        for index, workload in enumerate(_workloads(args.quick)):
+            print(f"{variant}: {workload.name} ...", flush=True)
+            results = measure(index, workload, rounds, steps, warmup, args.quick, env)
+            report["variants"][variant][workload.name] = summarize(results, step_gflop(workload))
+    table = markdown(report)
+    print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench.json").write_text(json.dumps(report, indent=1))
+    (args.out / "bench.md").write_text(table + "\n")
+    bar_chart(report, args.out / "bench.png")
+
+
+if __name__ == "__main__":
+    main()
