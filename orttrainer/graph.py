@@ -42,6 +42,19 @@ OPS_WITHOUT_GRADIENT = frozenset(
 )
 
 
+LOSS_SCALE_INPUT = "orttrainer.loss_scale"
+_SCALED_LOSS = "orttrainer.scaled_loss"
+
+# Kept in float32 under mixed precision: losses, normalisation statistics, softmax, exp/log
+# and reductions (torch autocast's float32 list), besides the converter's own defaults; and
+# Slice, whose gradient has no float16 CPU kernel in ONNX Runtime 1.19.
+_FLOAT32_OPS = [
+    "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss", "Softmax", "LogSoftmax", "LayerNormalization",
+    "BatchNormalization", "InstanceNormalization", "ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2",
+    "ReduceLogSumExp", "Exp", "Log", "Pow", "Sqrt", "Reciprocal", "Div", "CumSum", "Erf", "Slice",
+]  # fmt: skip
+
+
 class GradientBuildError(RuntimeError):
     """The gradient graph cannot be built; the message names the op types, nodes and modules."""
 
@@ -355,17 +368,66 @@ def missing_kernel_error(error: Exception, device) -> GradientBuildError:
     )
 
 
+def to_mixed_precision(model: onnx.ModelProto, keep_float32) -> onnx.ModelProto:
+    """Compute in float16: weights and inputs stay float32 graph inputs (cast on entry, so
+    their gradients come back float32), as do the outputs named in ``keep_float32``."""
+    from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
+
+    inputs = [graph_input.name for graph_input in model.graph.input]
+    converted = convert_float_to_float16(
+        model, keep_io_types=inputs + list(keep_float32), op_block_list=DEFAULT_OP_BLOCK_LIST + _FLOAT32_OPS
+    )
+    return _with_ir_version(converted)
+
+
+_NO_FLOAT16_GRADIENT_KERNEL = ("SliceGrad",)
+
+
+def _float32_gradient_kernels(model: onnx.ModelProto) -> None:
+    """Run gradient ops that have no float16 CPU kernel in float32.
+
+    ONNX Runtime's training transformers move casts across data-movement ops, so a Slice
+    kept in float32 by the converter ends up in float16 anyway; its SliceGrad then fails.
+    The incoming gradient is cast to float32 and the result cast back (CastLike) to the
+    type of the forward node's input, whatever the optimizer left it as.
+    """
+    forward = {node.name: node for node in model.graph.node}
+    added = []
+    for node in model.graph.node:
+        if node.op_type not in _NO_FLOAT16_GRADIENT_KERNEL or "_Grad/" not in node.name:
+            continue
+        like = forward[node.name.split("_Grad/")[0]].input[0]
+        gradient_in, gradient_out = node.input[0], node.output[0]
+        node.input[0], node.output[0] = f"{node.name}.float32_in", f"{node.name}.float32_out"
+        added += [
+            helper.make_node("Cast", [gradient_in], [node.input[0]], name=node.input[0], to=onnx.TensorProto.FLOAT),
+            helper.make_node("CastLike", [node.output[0], like], [gradient_out], name=f"{node.name}.cast_back"),
+        ]
+    model.graph.node.extend(added)
+
+
+def _scale_loss(model: onnx.ModelProto, loss_name: str) -> str:
+    """Multiply the loss by a float32 input (the loss scale), so that no re-export is needed."""
+    model.graph.input.append(helper.make_tensor_value_info(LOSS_SCALE_INPUT, onnx.TensorProto.FLOAT, []))
+    model.graph.node.append(helper.make_node("Mul", [loss_name, LOSS_SCALE_INPUT], [_SCALED_LOSS], name=_SCALED_LOSS))
+    model.graph.output.append(helper.make_empty_tensor_value_info(_SCALED_LOSS))
+    return _SCALED_LOSS
+
+
 def _quiet_session_options() -> onnxruntime.SessionOptions:
     options = onnxruntime.SessionOptions()
     options.log_severity_level = 3  # the graph builder logs every transformer at INFO level
     return options
 
 
-def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name: str, output_names) -> TrainingGraphs:
+def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name: str, output_names,
+                          mixed_precision: bool = False) -> TrainingGraphs:
     """Build the training graph (outputs, running stats, gradients) and the eval graph.
 
     ``forward`` is the forward+loss graph with weights as initializers; ``trainable``
     weights get gradients, ``frozen`` ones (buffers included) become inputs without.
+    With ``mixed_precision`` both graphs compute in float16, and the gradients are those
+    of the loss times the ``LOSS_SCALE_INPUT`` input.
     """
     model = _with_ir_version(copy.deepcopy(forward))
     name_unnamed_nodes(model.graph)
@@ -373,6 +435,8 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     move_weights_to_inputs(model, list(trainable) + list(frozen))
     eval_model = copy.deepcopy(model)
     set_inference_mode(eval_model)
+    if mixed_precision:
+        eval_model = to_mixed_precision(eval_model, [loss_name])
 
     rewrite_undifferentiable_ops(model, trainable, loss_name)
     check_differentiable(model, trainable, loss_name)
@@ -383,15 +447,22 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     graph_trainable = weights_reaching_loss(model, trainable, loss_name)  # a weight only looked up no longer does
     rows = [embedding.rows_gradient[: -len("_grad")] for embedding in embeddings]
     model.graph.output.extend(helper.make_empty_tensor_value_info(embedding.indices_output) for embedding in embeddings)
+    gradient_of = loss_name
+    if mixed_precision:
+        kept = [loss_name] + [o.name for o in model.graph.output if o.name not in output_names]
+        model = to_mixed_precision(model, kept)
+        gradient_of = _scale_loss(model, loss_name)
     options = _quiet_session_options()
     optimized = onnx.load_from_string(get_optimized_model(model.SerializeToString(), set(graph_trainable), options))
     _add_outputs_needed_by_gradients(optimized)
     try:
-        builder = GradientGraphBuilder(optimized.SerializeToString(), {loss_name}, set(graph_trainable) | set(rows), loss_name, options)
+        builder = GradientGraphBuilder(optimized.SerializeToString(), {gradient_of}, set(graph_trainable) | set(rows), gradient_of, options)
         builder.build()
     except RuntimeError as error:
         raise _builder_error(error, optimized.graph) from error
     train_model = onnx.load_from_string(builder.get_model())
+    if mixed_precision:
+        _float32_gradient_kernels(train_model)
 
     gradient_outputs = {name: f"{name}_grad" for name in graph_trainable}
     by_name = {output.name: output for output in train_model.graph.output}

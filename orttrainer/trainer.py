@@ -80,7 +80,6 @@ def _check_supported(options):
         "graph_transformer.attn_dropout_recompute": options.graph_transformer.attn_dropout_recompute,
         "graph_transformer.gelu_recompute": options.graph_transformer.gelu_recompute,
         "graph_transformer.transformer_layer_recompute": options.graph_transformer.transformer_layer_recompute,
-        "mixed_precision.enabled": options.mixed_precision.enabled,
     }
     used = [key for key, is_set in unsupported.items() if is_set]
     if used:
@@ -287,7 +286,7 @@ class ORTTrainer:
         self._onnx_model = onnx_model
         self._build(onnx_model, weights, trainable)
         for index, tensor in enumerate(outputs):
-            self.model_desc.add_type_to_output_description(index, tensor.dtype)
+            self.model_desc.add_type_to_output_description(index, tensor.dtype, getattr(self.model_desc.outputs[index], "dtype_amp", None))
         if self.options.debug.check_model_export:
             self._check_model_export(cpu_inputs, outputs)
 
@@ -332,7 +331,8 @@ class ORTTrainer:
         loss_name = self.model_desc.loss_output.name
         output_names = [entry.name for entry in self.model_desc.outputs]
         frozen = [name for name in weights if name not in trainable]
-        graphs = graph.build_training_graphs(onnx_model, trainable, frozen, loss_name, output_names)
+        mixed_precision = self.options.mixed_precision.enabled
+        graphs = graph.build_training_graphs(onnx_model, trainable, frozen, loss_name, output_names, mixed_precision)
         self._save_debug_graphs(graphs)
         debug = self.options.debug
         options = session.session_options(
@@ -356,6 +356,10 @@ class ORTTrainer:
         self._bind_gradients(self._grads)
         self._accumulation_scratch = None
         self._batch_norms = [_BatchNormStatistics(stats, weights, self._train_session) for stats in graphs.running_statistics]
+        self._loss_scale = None
+        if mixed_precision:
+            self._loss_scale = torch.tensor(self.options.mixed_precision.loss_scaler.loss_scale, device=self._device)
+            self._train_session.bind_input(graph.LOSS_SCALE_INPUT, self._loss_scale)
         self._embeddings = graphs.embedding_gradients
         for embedding in self._embeddings:
             self._train_session.bind_input(embedding.lookup_input, weights[embedding.weight])
@@ -392,13 +396,18 @@ class ORTTrainer:
             if embedding.weight not in self._gradient_outputs and embedding.weight not in cleared:
                 target.zero_()
                 cleared.add(embedding.weight)
-            target.index_add_(0, indices.reshape(-1), rows.reshape(indices.numel(), *target.shape[1:]))
+            target.index_add_(0, indices.reshape(-1), rows.reshape(indices.numel(), *target.shape[1:]).to(target.dtype))
 
     def _record_input_types(self, eval_model):
+        """Input dtypes from the graph; outputs the graph computes in float16 get ``dtype_amp``."""
         types = {graph_input.name: graph_input.type.tensor_type.elem_type for graph_input in eval_model.graph.input}
         for index, entry in enumerate(self.model_desc.inputs):
             if entry.name in types:
                 self.model_desc.add_type_to_input_description(index, session.torch_dtype(types[entry.name]))
+        output_types = {output.name: output.type.tensor_type.elem_type for output in eval_model.graph.output}
+        for index, entry in enumerate(self.model_desc.outputs):
+            if output_types.get(entry.name) == onnx.TensorProto.FLOAT16:
+                self.model_desc.add_type_to_output_description(index, getattr(entry, "dtype", torch.float32), torch.float16)
 
     def _save_debug_graphs(self, graphs):
         paths = self.options.debug.graph_save_paths
@@ -465,6 +474,8 @@ class ORTTrainer:
                 self._accumulation_scratch = {name: torch.empty_like(grad) for name, grad in self._grads.items()}
             self._bind_gradients(self._accumulation_scratch)
         onnxruntime.set_seed(self._dropout_seed(info.step))
+        if self._loss_scale is not None:
+            self._loss_scale.fill_(self.options.mixed_precision.loss_scaler.loss_scale)
         for batch_norm in self._batch_norms:
             batch_norm.save_old()
         outputs = self._train_session.run()
@@ -479,21 +490,35 @@ class ORTTrainer:
         if not starts_window:
             torch._foreach_add_(list(self._grads.values()), list(self._accumulation_scratch.values()))
         lr = self._learning_rate()
-        if info.step % accumulation == 0:
-            self._update_weights(lr, accumulation)
+        if info.step % accumulation == 0 and self._update_weights(lr, accumulation):
             info.optimization_step += 1
         return self._select_outputs(outputs, requested)
 
     def _update_weights(self, lr, accumulation):
-        """Mean gradient over micro-batches (and ranks), then the optimizer on the owned weights."""
+        """Sum over ranks, undo the loss scale (skipping non-finite steps), then the optimizer on
+        the owned weights with the mean over micro-batches and ranks. Returns whether it updated."""
         grads = list(self._grads.values())
+        if self._data_parallel is not None:
+            self._data_parallel.reduce_gradients(self._flat_gradients)
+        if self._loss_scale is not None and not self._unscale_and_check(grads):
+            return False
+        scale = 1.0 / (accumulation * self._world.size)
         if self._data_parallel is None:
-            self._optimizer.step(grads, lr, 1.0 / accumulation)
-            return
-        self._data_parallel.reduce_gradients(self._flat_gradients)
-        owned = [self._grads[name] for name in self._owned]
-        self._optimizer.step(owned, lr, 1.0 / (accumulation * self._world.size), norm_grads=grads)
+            self._optimizer.step(grads, lr, scale)
+            return True
+        self._optimizer.step([self._grads[name] for name in self._owned], lr, scale, norm_grads=grads)
         self._data_parallel.share_updated_weights(self._weights)
+        return True
+
+    def _unscale_and_check(self, grads):
+        """Divide the gradients by the loss scale and let the scaler see whether all are finite."""
+        found_non_finite = torch.zeros(1, device=self._device)
+        inverse_scale = torch.reciprocal(self._loss_scale.reshape(1))
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_non_finite, inverse_scale)
+        info = self._train_step_info
+        info.all_finite = not bool(found_non_finite.item())
+        self.options.mixed_precision.loss_scaler.update(info)
+        return info.all_finite
 
     def _learning_rate(self):
         scheduler = self.options.lr_scheduler
@@ -554,7 +579,18 @@ class ORTTrainer:
             "train_step_info": {"optimization_step": info.optimization_step, "step": info.step, "dropout_seed": self._seed},
             **self._accumulation_state(),
             **self._partition_state(),
+            **self._loss_scaler_state(),
         }
+
+    def _loss_scaler_state(self):
+        """Mixed precision: the scaler's position, so that a resumed run scales as the original."""
+        scaler = self.options.mixed_precision.loss_scaler
+        if not self.options.mixed_precision.enabled:
+            return {}
+        state = {"loss_scale": scaler.loss_scale}
+        if hasattr(scaler, "_stable_steps_count"):
+            state["stable_steps"] = scaler._stable_steps_count
+        return {"loss_scaler": state}
 
     def _partition_state(self):
         """ZeRO-1: which rank holds each weight's optimizer state (legacy key ``partition_info``)."""
@@ -629,6 +665,12 @@ class ORTTrainer:
             self._optimizer.load_state_dict(optimizer)
         for name, value in accumulated.items():
             self._grads[name].copy_(value)
+        scaler_state = state.get("loss_scaler")
+        if scaler_state is not None and self.options.mixed_precision.enabled:
+            scaler = self.options.mixed_precision.loss_scaler
+            scaler.loss_scale = float(scaler_state["loss_scale"])
+            if "stable_steps" in scaler_state:
+                scaler._stable_steps_count = int(scaler_state["stable_steps"])
         info = state.get("train_step_info")
         if info is not None:
             self._train_step_info.step = int(info["step"])
