@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from on_device import on_device_training  # noqa: E402
 from workloads import WORKLOADS, Workload  # noqa: E402
 
 CONTENDERS = ["torch eager", "torch.compile", "orttrainer", "on-device ORT API", "ORTModule"]
@@ -96,7 +97,7 @@ def _on_device_step(model, workload, batch):
     import io
 
     import onnx
-    from onnxruntime.training import api, artifacts
+    from onnxruntime.training import artifacts
 
     class TwoDimensional(torch.nn.Module):
         """The on-device loss blocks take [N, C] logits (and [N] labels)."""
@@ -118,18 +119,8 @@ def _on_device_step(model, workload, batch):
     names = {init.name for init in exported.graph.initializer}
     requires_grad = [f"model.{name}" for name, _ in model.named_parameters() if f"model.{name}" in names]
     loss = artifacts.LossType.CrossEntropyLoss if classification else artifacts.LossType.MSELoss
-    directory = tempfile.mkdtemp()
-    artifacts.generate_artifacts(exported, requires_grad=requires_grad, loss=loss, optimizer=artifacts.OptimType.AdamW,
-                                 artifact_directory=directory)
-    for path in Path(directory).glob("*.onnx"):  # onnx 1.23 writes IR 14; ONNX Runtime 1.19 loads <= 10
-        artifact = onnx.load(path)
-        artifact.ir_version = min(artifact.ir_version, 10)
-        onnx.save(artifact, path)
-    state = api.CheckpointState.load_checkpoint(f"{directory}/checkpoint")
-    module = api.Module(f"{directory}/training_model.onnx", state, f"{directory}/eval_model.onnx")
-    optimizer = api.Optimizer(f"{directory}/optimizer_model.onnx", module)
+    module, optimizer = on_device_training(exported, requires_grad, loss, tempfile.mkdtemp())
     optimizer.set_learning_rate(ADAMW["lr"])
-    module.train()
     timed_update = _Timed(optimizer.step)
 
     def step(batch):

@@ -31,6 +31,9 @@ import torch.nn.functional as F
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 
+sys.path.insert(0, str(Path(__file__).parent))
+from on_device import on_device_training  # noqa: E402
+
 BEGIN, END = "<!-- coverage:begin -->", "<!-- coverage:end -->"
 
 
@@ -287,8 +290,6 @@ class _WithLoss(nn.Module):
 
 def check_on_device(case):
     """generate_artifacts + one step of onnxruntime.training.api."""
-    from onnxruntime.training import api, artifacts
-
     model, x, y = _with_label(case)
     buffer = io.BytesIO()
     with warnings.catch_warnings():
@@ -301,16 +302,7 @@ def check_on_device(case):
     requires_grad = [f"model.{name}" for name, p in model.named_parameters() if f"model.{name}" in names]
     frozen = [name for name in names if name not in requires_grad and name.startswith("model.")]
     with tempfile.TemporaryDirectory() as directory:
-        artifacts.generate_artifacts(exported, requires_grad=requires_grad, frozen_params=frozen, loss=None,
-                                     optimizer=artifacts.OptimType.AdamW, artifact_directory=directory)
-        for path in Path(directory).glob("*.onnx"):  # onnx 1.23 writes IR 14; ONNX Runtime 1.19 loads <= 10
-            artifact = onnx.load(path)
-            artifact.ir_version = min(artifact.ir_version, 10)
-            onnx.save(artifact, path)
-        state = api.CheckpointState.load_checkpoint(f"{directory}/checkpoint")
-        module = api.Module(f"{directory}/training_model.onnx", state, f"{directory}/eval_model.onnx")
-        optimizer = api.Optimizer(f"{directory}/optimizer_model.onnx", module)
-        module.train()
+        module, optimizer = on_device_training(exported, requires_grad, None, directory, frozen)
         loss = module(x.numpy(), y.numpy())
         optimizer.step()
     if not np.isfinite(np.asarray(loss)).all():

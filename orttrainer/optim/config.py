@@ -68,12 +68,26 @@ def _check_moment_settings(lr, alpha, beta, lambda_coef, epsilon, max_norm_clip,
     assert isinstance(do_bias_correction, bool), "'do_bias_correction' must be a bool"
 
 
-def _check_no_group_lr(params):
-    for index, group in enumerate(params):
-        assert "lr" not in group, f"'lr' is not supported inside params (params[{index}])"
+class _MomentConfig(_OptimizerConfig):
+    """Shared part of Adam and Lamb: the moment hyper-parameters, their checks and attributes.
+
+    ``settings`` holds every hyper-parameter by its attribute name (``lambda_coef``); the
+    defaults dict stores it as ``lambda``, like the legacy configs.
+    """
+
+    def __init__(self, name, params, settings: dict):
+        _check_moment_settings(*(settings[key] for key in
+                                 ("lr", "alpha", "beta", "lambda_coef", "epsilon", "max_norm_clip", "do_bias_correction")))  # fmt: skip
+        for index, group in enumerate(params):
+            assert "lr" not in group, f"'lr' is not supported inside params (params[{index}])"
+        defaults = {("lambda" if key == "lambda_coef" else key): value for key, value in settings.items()}
+        super().__init__(name, params, defaults)
+        for key, value in settings.items():
+            if key != "lr":
+                setattr(self, key, value)
 
 
-class AdamConfig(_OptimizerConfig):
+class AdamConfig(_MomentConfig):
     """Adam with decoupled weight decay, applied before (PyTorch AdamW) or after the update."""
 
     class DecayMode(IntEnum):
@@ -92,30 +106,14 @@ class AdamConfig(_OptimizerConfig):
         do_bias_correction=True,
         weight_decay_mode=DecayMode.BEFORE_WEIGHT_UPDATE,
     ):
-        _check_moment_settings(lr, alpha, beta, lambda_coef, epsilon, max_norm_clip, do_bias_correction)
         assert isinstance(weight_decay_mode, AdamConfig.DecayMode), "'weight_decay_mode' must be an AdamConfig.DecayMode"
-        _check_no_group_lr(params)
-        defaults = {
-            "lr": lr,
-            "alpha": alpha,
-            "beta": beta,
-            "lambda": lambda_coef,
-            "epsilon": epsilon,
-            "max_norm_clip": max_norm_clip,
-            "do_bias_correction": do_bias_correction,
-            "weight_decay_mode": weight_decay_mode,
-        }
-        super().__init__("AdamOptimizer", params, defaults)
-        self.alpha = alpha
-        self.beta = beta
-        self.lambda_coef = lambda_coef
-        self.epsilon = epsilon
-        self.max_norm_clip = max_norm_clip
-        self.do_bias_correction = do_bias_correction
-        self.weight_decay_mode = weight_decay_mode
+        settings = dict(lr=lr, alpha=alpha, beta=beta, lambda_coef=lambda_coef, epsilon=epsilon,
+                        max_norm_clip=max_norm_clip, do_bias_correction=do_bias_correction,
+                        weight_decay_mode=weight_decay_mode)  # fmt: skip
+        super().__init__("AdamOptimizer", params, settings)
 
 
-class LambConfig(_OptimizerConfig):
+class LambConfig(_MomentConfig):
     """Lamb: Adam moments with a per-weight trust ratio ``||w|| / ||update||``."""
 
     def __init__(
@@ -131,27 +129,9 @@ class LambConfig(_OptimizerConfig):
         max_norm_clip=1.0,
         do_bias_correction=False,
     ):
-        _check_moment_settings(lr, alpha, beta, lambda_coef, epsilon, max_norm_clip, do_bias_correction)
         assert isinstance(ratio_min, float), "'ratio_min' must be a float"
         assert isinstance(ratio_max, float), "'ratio_max' must be a float"
-        _check_no_group_lr(params)
-        defaults = {
-            "lr": lr,
-            "alpha": alpha,
-            "beta": beta,
-            "lambda": lambda_coef,
-            "ratio_min": ratio_min,
-            "ratio_max": ratio_max,
-            "epsilon": epsilon,
-            "max_norm_clip": max_norm_clip,
-            "do_bias_correction": do_bias_correction,
-        }
-        super().__init__("LambOptimizer", params, defaults)
-        self.alpha = alpha
-        self.beta = beta
-        self.lambda_coef = lambda_coef
-        self.ratio_min = ratio_min
-        self.ratio_max = ratio_max
-        self.epsilon = epsilon
-        self.max_norm_clip = max_norm_clip
-        self.do_bias_correction = do_bias_correction
+        settings = dict(lr=lr, alpha=alpha, beta=beta, lambda_coef=lambda_coef, ratio_min=ratio_min,
+                        ratio_max=ratio_max, epsilon=epsilon, max_norm_clip=max_norm_clip,
+                        do_bias_correction=do_bias_correction)  # fmt: skip
+        super().__init__("LambOptimizer", params, settings)
