@@ -372,7 +372,7 @@ class ORTTrainer:
         self._optimizer = _update.make_optimizer(
             self.optim_config, {name: weights[name] for name in owned}, self.options.utils.grad_norm_clip
         )
-        self._training_session = self._train_session
+        self._training_session = self._train_session  # set last: a build that failed midway leaves it None
         if self._load_state_dict is not None:
             self._load_state_dict()
 
