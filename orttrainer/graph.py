@@ -328,20 +328,21 @@ def weights_reaching_loss(model: onnx.ModelProto, weight_names, loss_name: str) 
     return [name for name in weight_names if name in read]
 
 
-def rewrite_undifferentiable_ops(model: onnx.ModelProto, weight_names, loss_name: str) -> None:
-    """Rewrite (rewrites.py) the ops between weights and loss that have no usable gradient."""
-    on_path = {node.name for node in _nodes_between(model, weight_names, loss_name)}
+def make_differentiable(model: onnx.ModelProto, weight_names, loss_name: str) -> None:
+    """Rewrite (rewrites.py) the ops between weights and loss that have no usable gradient, then
+    raise one GradientBuildError listing every op on that path that still has none.
+
+    A rewrite keeps its node's inputs and outputs, so the path found before rewriting holds after.
+    """
+    on_path = _nodes_between(model, weight_names, loss_name)
+    without_gradient = [(node.name, describe_node(node)) for node in on_path if node.op_type in OPS_WITHOUT_GRADIENT]
     try:
-        rewrites.rewrite_for_training(model, only_between=on_path)
+        rewritten = set(rewrites.rewrite_for_training(model, only_between={node.name for node in on_path}))
     except rewrites.RewriteError as error:
         raise GradientBuildError(f"cannot make this op differentiable: {error}") from error
-
-
-def check_differentiable(model: onnx.ModelProto, weight_names, loss_name: str) -> None:
-    """Raise one GradientBuildError listing every op between weights and loss that has no gradient."""
-    missing = [node for node in _nodes_between(model, weight_names, loss_name) if node.op_type in OPS_WITHOUT_GRADIENT]
+    missing = [description for name, description in without_gradient if name not in rewritten]
     if missing:
-        listed = "; ".join(describe_node(node) for node in missing)
+        listed = "; ".join(missing)
         raise GradientBuildError(f"onnxruntime-training has no gradient for these ops between the weights and the loss: {listed}")
 
 
@@ -438,8 +439,7 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     if mixed_precision:
         eval_model = to_mixed_precision(eval_model, [loss_name])
 
-    rewrite_undifferentiable_ops(model, trainable, loss_name)
-    check_differentiable(model, trainable, loss_name)
+    make_differentiable(model, trainable, loss_name)
     input_names = {graph_input.name for graph_input in model.graph.input}
     _force_dropout_training_mode(model)
     running_statistics = _expose_running_statistics(model, input_names)
