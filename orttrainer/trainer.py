@@ -368,7 +368,8 @@ class ORTTrainer:
         owned = trainable
         if self._data_parallel is not None:
             owned = self._data_parallel.start(weights, trainable, graphs.train.SerializeToString() + repr(self._comparable_options()).encode())
-        self._owned = owned
+        self._all_grads = list(self._grads.values())  # views into the flat buffers: fixed for the trainer's life
+        self._owned_grads = [self._grads[name] for name in owned]
         self._optimizer = _update.make_optimizer(
             self.optim_config, {name: weights[name] for name in owned}, self.options.utils.grad_norm_clip
         )
@@ -472,6 +473,7 @@ class ORTTrainer:
         elif not starts_window and self._gradients_bound_to is self._grads:
             if self._accumulation_scratch is None:
                 self._accumulation_scratch = {name: torch.empty_like(grad) for name, grad in self._grads.items()}
+                self._scratch_list = list(self._accumulation_scratch.values())
             self._bind_gradients(self._accumulation_scratch)
         onnxruntime.set_seed(self._dropout_seed(info.step))
         if self._loss_scale is not None:
@@ -488,7 +490,7 @@ class ORTTrainer:
         if self._data_parallel is not None and self._batch_norms:
             self._data_parallel.share_buffers([t for bn in self._batch_norms for t in (bn.mean, bn.var)])
         if not starts_window:
-            torch._foreach_add_(list(self._grads.values()), list(self._accumulation_scratch.values()))
+            torch._foreach_add_(self._all_grads, self._scratch_list)
         lr = self._learning_rate()
         if info.step % accumulation == 0 and self._update_weights(lr, accumulation):
             info.optimization_step += 1
@@ -497,17 +499,13 @@ class ORTTrainer:
     def _update_weights(self, lr, accumulation):
         """Sum over ranks, undo the loss scale (skipping non-finite steps), then the optimizer on
         the owned weights with the mean over micro-batches and ranks. Returns whether it updated."""
-        grads = list(self._grads.values())
         if self._data_parallel is not None:
             self._data_parallel.reduce_gradients(self._flat_gradients)
-        if self._loss_scale is not None and not self._unscale_and_check(grads):
+        if self._loss_scale is not None and not self._unscale_and_check(self._all_grads):
             return False
-        scale = 1.0 / (accumulation * self._world.size)
-        if self._data_parallel is None:
-            self._optimizer.step(grads, lr, scale)
-            return True
-        self._optimizer.step([self._grads[name] for name in self._owned], lr, scale, norm_grads=grads)
-        self._data_parallel.share_updated_weights(self._weights)
+        self._optimizer.step(self._owned_grads, lr, 1.0 / (accumulation * self._world.size), norm_grads=self._all_grads)
+        if self._data_parallel is not None:
+            self._data_parallel.share_updated_weights(self._weights)
         return True
 
     def _unscale_and_check(self, grads):
