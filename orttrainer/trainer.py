@@ -580,6 +580,11 @@ class ORTTrainer:
             **self._loss_scaler_state(),
         }
 
+    @property
+    def _optimizer_state_sharded(self):
+        """ZeRO-1 on several ranks: each holds the optimizer state of the weights it owns."""
+        return self._data_parallel is not None and bool(self._data_parallel.owner)
+
     def _loss_scaler_state(self):
         """Mixed precision: the scaler's position, so that a resumed run scales as the original."""
         scaler = self.options.mixed_precision.loss_scaler
@@ -592,7 +597,7 @@ class ORTTrainer:
 
     def _partition_state(self):
         """ZeRO-1: which rank holds each weight's optimizer state (legacy key ``partition_info``)."""
-        if self._data_parallel is None or not self._data_parallel.owner:
+        if not self._optimizer_state_sharded:
             return {}
         return {
             "partition_info": {
@@ -644,8 +649,8 @@ class ORTTrainer:
             if given_name != self.optim_config.name:
                 raise RuntimeError(f"Optimizer mismatch: expected {self.optim_config.name}, got {given_name}")
             if strict:  # a ZeRO rank holds part of the optimizer state: other ranks' entries are expected
-                zero = self._data_parallel is not None and bool(self._data_parallel.owner)
-                checkpoint.compare_keys(current["optimizer"], optimizer, "state_dict[optimizer]", allow_unexpected=zero)
+                checkpoint.compare_keys(current["optimizer"], optimizer, "state_dict[optimizer]",
+                                        allow_unexpected=self._optimizer_state_sharded)
             optimizer = {
                 name: {key: _checked_tensor(value, current["optimizer"][name][key], f"state_dict[optimizer][{name}][{key}]")
                        for key, value in entry.items() if key in current["optimizer"].get(name, {})}
@@ -693,13 +698,13 @@ class ORTTrainer:
         if self._data_parallel is None:
             checkpoint.save(state, path, overwrite=overwrite)
             return
-        per_rank = bool(self._data_parallel.owner) and not consolidate
+        per_rank = self._optimizer_state_sharded and not consolidate
         if per_rank:
             if "{rank}" not in str(path):
                 raise ValueError(f"ZeRO checkpoints are per rank: put '{{rank}}' in the path ({path}) or pass consolidate=True")
             checkpoint.save(state, str(path).format(rank=self._world.rank), overwrite=overwrite)
         else:
-            parts = distributed.gather_objects(self._world, state) if self._data_parallel.owner else [state]
+            parts = distributed.gather_objects(self._world, state) if self._optimizer_state_sharded else [state]
             if self._world.rank == 0:
                 checkpoint.save(checkpoint.merge_rank_states(parts) if len(parts) > 1 else state, path, overwrite=overwrite)
         distributed.barrier()
