@@ -20,8 +20,8 @@ class RewriteError(ValueError):
 class _Build:
     """Emits the nodes replacing one node: unique names, constants, opset-aware reductions."""
 
-    def __init__(self, graph: onnx.GraphProto, node: onnx.NodeProto, opset: int, shapes: dict, constants: dict):
-        self.graph, self.node, self.opset, self.shapes, self.constants = graph, node, opset, shapes, constants
+    def __init__(self, node: onnx.NodeProto, opset: int, shapes: dict, constants: dict):
+        self.node, self.opset, self.shapes, self.constants = node, opset, shapes, constants
         self.nodes, self.initializers = [], []
         self._count = 0
 
@@ -540,7 +540,7 @@ def rewrite_for_training(model: onnx.ModelProto, only_between=None) -> list:
     target_ids = {id(node) for node in targets}
     rebuilt, rewritten = [], []
     for node in model.graph.node:
-        build = _Build(model.graph, node, opset, shapes, constants) if id(node) in target_ids else None
+        build = _Build(node, opset, shapes, constants) if id(node) in target_ids else None
         if build is not None and REWRITES[node.op_type](build) is not False:
             rebuilt.extend(build.nodes)
             model.graph.initializer.extend(build.initializers)
