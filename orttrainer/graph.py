@@ -20,7 +20,7 @@ import onnxruntime
 from onnx import helper, numpy_helper
 from onnxruntime.capi._pybind_state import GradientGraphBuilder, get_optimized_model
 
-from . import rewrites
+from . import cpu_kernels, rewrites
 
 MAX_IR_VERSION = 10  # the highest IR version ONNX Runtime 1.19 loads
 
@@ -422,13 +422,14 @@ def _quiet_session_options() -> onnxruntime.SessionOptions:
 
 
 def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name: str, output_names,
-                          mixed_precision: bool = False) -> TrainingGraphs:
+                          mixed_precision: bool = False, fast_cpu_kernels: bool = False) -> TrainingGraphs:
     """Build the training graph (outputs, running stats, gradients) and the eval graph.
 
     ``forward`` is the forward+loss graph with weights as initializers; ``trainable``
     weights get gradients, ``frozen`` ones (buffers included) become inputs without.
     With ``mixed_precision`` both graphs compute in float16, and the gradients are those
-    of the loss times the ``LOSS_SCALE_INPUT`` input.
+    of the loss times the ``LOSS_SCALE_INPUT`` input. ``fast_cpu_kernels`` replaces kernels
+    measured slow on the CPU by fast equivalents (``cpu_kernels``; float32 graphs only).
     """
     model = _with_ir_version(copy.deepcopy(forward))
     name_unnamed_nodes(model.graph)
@@ -463,6 +464,9 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     train_model = onnx.load_from_string(builder.get_model())
     if mixed_precision:
         _float32_gradient_kernels(train_model)
+    elif fast_cpu_kernels:
+        cpu_kernels.use_fast_cpu_kernels(train_model)
+        cpu_kernels.use_fast_cpu_kernels(eval_model)
 
     gradient_outputs = {name: f"{name}_grad" for name in graph_trainable}
     by_name = {output.name: output for output in train_model.graph.output}

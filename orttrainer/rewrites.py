@@ -8,6 +8,9 @@ leaves this node as it is. Values and gradients match torch
 training graph is rewritten, inference keeps the original (faster) ops.
 """
 
+from collections import defaultdict
+from dataclasses import dataclass
+
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
@@ -17,25 +20,39 @@ class RewriteError(ValueError):
     """An op could be rewritten in general, but not this instance (e.g. a dynamic dimension)."""
 
 
-class _Build:
+@dataclass
+class GraphFacts:
+    """What a rewrite may know about the whole graph besides the node it replaces."""
+
+    opset: int
+    shapes: dict  # tensor name -> static shape (None for dynamic dims)
+    constants: dict  # tensor name -> value known before the run
+    producers: dict  # tensor name -> the node that outputs it
+    consumers: dict  # tensor name -> the nodes that read it, in graph order
+    targets: set  # names of the nodes being replaced
+
+
+class NodeBuilder:
     """Emits the nodes replacing one node: unique names, constants, opset-aware reductions."""
 
-    def __init__(self, node: onnx.NodeProto, opset: int, shapes: dict, constants: dict):
-        self.node, self.opset, self.shapes, self.constants = node, opset, shapes, constants
+    def __init__(self, node: onnx.NodeProto, facts: GraphFacts):
+        self.node, self.facts = node, facts
+        self.opset, self.shapes, self.constants = facts.opset, facts.shapes, facts.constants
         self.nodes, self.initializers = [], []
         self._count = 0
 
-    def _name(self):
+    def fresh_name(self):
+        """A node/tensor name no other replacement uses."""
         self._count += 1
         return f"{self.node.name}_rewritten_{self._count}"  # same scope, so error messages keep the module path
 
     def op(self, op_type, inputs, output=None, **attributes):
-        name = self._name()
+        name = self.fresh_name()
         self.nodes.append(helper.make_node(op_type, inputs, [output or name], name=name, **attributes))
         return output or name
 
     def const(self, value, dtype=np.float32):
-        name = self._name()
+        name = self.fresh_name()
         self.initializers.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
         return name
 
@@ -223,20 +240,54 @@ def space_to_depth(build):
     build.op("Reshape", [moved, build.const(shape, np.int64)], _output(build))
 
 
-def constant_index_gather(build):
-    """Gather of one constant index as Slice + Squeeze (nn.MultiheadAttention's q/k/v split).
-
-    Its GatherGrad locks a mutex per element (about 70 ms of a 2-layer encoder step);
-    the Slice gradient is a plain copy. Other Gathers are kept (returns False).
-    """
-    data, indices = build.node.input
-    if indices not in build.constants or build.constants[indices].ndim != 0:
-        return False
-    axis = build.attribute("axis", 0)
-    index = int(build.constants[indices])
+def _gather_index(build, node):
+    """The index of a Gather of one constant scalar index (negatives resolved), else None."""
+    data, indices = node.input
+    value = build.constants.get(indices)
+    if node.op_type != "Gather" or value is None or value.ndim != 0:
+        return None
+    index = int(value)
     if index < 0:
-        (size,) = build.static_dims(data, [axis])
+        (size,) = build.static_dims(data, [_gather_axis(node)])
         index += size
+    return index
+
+
+def _gather_axis(node):
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), 0)
+
+
+def constant_index_gather(build):
+    """Gather of one constant index as Split or Slice, + Squeeze (nn.MultiheadAttention's q/k/v).
+
+    Its GatherGrad locks a mutex per element (about 70 ms of a 2-layer encoder step).
+    When such Gathers take indices 0..k-1 of one axis, one Split into k parts serves
+    them all, the last part holding the rest of the axis (its gradient is one Concat,
+    where k Slices need k padded copies and a Sum); otherwise each becomes a Slice.
+    Other Gathers are kept (returns False).
+    """
+    index = _gather_index(build, build.node)
+    if index is None:
+        return False
+    data, axis = build.node.input[0], _gather_axis(build.node)
+    siblings = [
+        node for node in build.facts.consumers[data]
+        if node.name in build.facts.targets and node.input[0] == data and _gather_axis(node) == axis
+        and _gather_index(build, node) is not None
+    ]  # fmt: skip
+    count = len(siblings)
+    if build.opset >= 13 and count > 1 and sorted(_gather_index(build, node) for node in siblings) == list(range(count)):
+        parts = [f"{data}_split_{part}" for part in range(count)]
+        if siblings[0] is build.node:  # the last part also holds the rest of the axis, if any
+            size = build.op("Gather", [build.op("Shape", [data]), build.const([axis], np.int64)])
+            rest = build.op("Sub", [size, build.const([count - 1], np.int64)])
+            sizes = build.op("Concat", [build.const([1] * (count - 1), np.int64), rest], axis=0)
+            build.nodes.append(helper.make_node("Split", [data, sizes], parts, name=build.fresh_name(), axis=axis))
+        part = parts[index]
+        if index == count - 1:
+            part = build.op("Slice", [part, build.const([0], np.int64), build.const([1], np.int64), build.const([axis], np.int64)])
+        build.squeeze(part, [axis], _output(build))
+        return True
     bounds = [build.const([index], np.int64), build.const([index + 1], np.int64), build.const([axis], np.int64)]
     build.squeeze(build.op("Slice", [data, *bounds]), [axis], _output(build))
     return True
@@ -524,7 +575,7 @@ def _constants(model: onnx.ModelProto) -> dict:
     return values
 
 
-def _opset(model: onnx.ModelProto) -> int:
+def opset(model: onnx.ModelProto) -> int:
     return next(entry.version for entry in model.opset_import if entry.domain in ("", "ai.onnx"))
 
 
@@ -536,12 +587,26 @@ def rewrite_for_training(model: onnx.ModelProto, only_between=None) -> list:
     targets = [node for node in model.graph.node if node.op_type in REWRITES and (only_between is None or node.name in only_between)]
     if not targets:
         return []
-    shapes, constants, opset = _static_shapes(model), _constants(model), _opset(model)
+    return replace_nodes(model, REWRITES, targets, _static_shapes(model), _constants(model))
+
+
+def replace_nodes(model: onnx.ModelProto, table: dict, targets, shapes=None, constants=None) -> list:
+    """Replace, in place, each of ``targets`` by what ``table[op_type]`` builds; return their names.
+
+    A table function that returns ``False`` keeps its node; ``shapes`` and ``constants``
+    go into the :class:`GraphFacts` the functions see.
+    """
+    consumers = defaultdict(list)
+    for node in model.graph.node:
+        for name in node.input:
+            consumers[name].append(node)
+    producers = {output: node for node in model.graph.node for output in node.output}
+    facts = GraphFacts(opset(model), shapes or {}, constants or {}, producers, consumers, {node.name for node in targets})
     target_ids = {id(node) for node in targets}
     rebuilt, rewritten = [], []
     for node in model.graph.node:
-        build = _Build(node, opset, shapes, constants) if id(node) in target_ids else None
-        if build is not None and REWRITES[node.op_type](build) is not False:
+        build = NodeBuilder(node, facts) if id(node) in target_ids else None
+        if build is not None and table[node.op_type](build) is not False:
             rebuilt.extend(build.nodes)
             model.graph.initializer.extend(build.initializers)
             rewritten.append(node.name)

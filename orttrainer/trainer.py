@@ -332,7 +332,9 @@ class ORTTrainer:
         output_names = [entry.name for entry in self.model_desc.outputs]
         frozen = [name for name in weights if name not in trainable]
         mixed_precision = self.options.mixed_precision.enabled
-        graphs = graph.build_training_graphs(onnx_model, trainable, frozen, loss_name, output_names, mixed_precision)
+        graphs = graph.build_training_graphs(
+            onnx_model, trainable, frozen, loss_name, output_names, mixed_precision, fast_cpu_kernels=self._device.type == "cpu"
+        )
         self._save_debug_graphs(graphs)
         debug = self.options.debug
         options = session.session_options(

@@ -68,6 +68,13 @@ def _einsum(equation, *shapes):
     return fn
 
 
+def _parts(h, size, indices):
+    """Constant-index lookups h[:, i] along an axis of ``size``, combined nonlinearly."""
+    grouped = h.reshape(6, size, 8 // size)
+    picked = [grouped[:, index] * (index + 1) for index in indices]
+    return picked[0] * picked[-1] + picked[0]
+
+
 CASES = {
     "Softplus": (lambda: Around(nn.Softplus()), vectors),
     "Softplus (beta 2)": (lambda: Around(nn.Softplus(beta=2.0)), vectors),
@@ -103,6 +110,9 @@ CASES = {
     "Einsum bi,bi->b": (lambda: Around(lambda h: torch.einsum("bi,bi->b", h, h).unsqueeze(1)), vectors),
     "Einsum bi,j->bij": (lambda: Around(_einsum("bi,j->bij", (6, 8), (3,))), vectors),
     "Einsum bij->bj": (lambda: Around(_einsum("bij->bj", (6, 2, 4))), vectors),
+    "Gather (every index of an axis: Split)": (lambda: Around(lambda h: _parts(h, 2, [0, 1])), vectors),
+    "Gather (indices 0, 1 of 4: Split with rest)": (lambda: Around(lambda h: _parts(h, 4, [1, 0])), vectors),
+    "Gather (one index: Slice)": (lambda: Around(lambda h: _parts(h, 4, [2])), vectors),
 }
 EXPECTED_OP = {name: name.split(" ")[0] for name in CASES}
 EXPECTED_OP["Mish (Softplus inside)"] = "Softplus"

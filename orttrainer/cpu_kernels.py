@@ -1,0 +1,160 @@
+"""Replace slow onnxruntime-training CPU kernels in a training graph by fast equivalents.
+
+Some kernels of onnxruntime-training 1.19 are scalar, single-threaded loops on the CPU,
+several times slower than the same arithmetic spelled with ONNX Runtime's vectorised
+elementwise ops (measured in benchmarks/NOTES.md): the softmax cross-entropy loss and
+its gradient, the GELU, ReLU and max-pool gradients. Each function below emits, through
+a :class:`~orttrainer.rewrites.NodeBuilder`, the same values with fast ops; values and
+gradients are checked against the originals in tests/test_cpu_kernels.py. Only CPU
+float32 training graphs are rewritten: other providers have fast kernels of their own.
+"""
+
+import math
+
+import numpy as np
+import onnx
+
+from .rewrites import NodeBuilder, opset, replace_nodes
+
+
+def _like(build: NodeBuilder, value: float, tensor: str) -> str:
+    """A scalar constant with the element type of ``tensor``."""
+    return build.op("CastLike", [build.const(value), tensor])
+
+
+def _attribute_text(build: NodeBuilder, name: str, default: str) -> str:
+    value = build.attribute(name, default)
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _label_positions(build: NodeBuilder, labels: str, like: str):
+    """(class indices unsqueezed at axis 1, float mask of counted labels or None).
+
+    Labels equal to ``ignore_index`` count for nothing; they are pointed at class 0 so
+    that the gather stays in range, and the mask zeroes what it picks up.
+    """
+    labels = build.op("Cast", [labels], to=onnx.TensorProto.INT64)
+    ignore_index = build.attribute("ignore_index")
+    if ignore_index is None:
+        return build.unsqueeze(labels, [1]), None
+    counted = build.op("Not", [build.op("Equal", [labels, build.const(ignore_index, np.int64)])])
+    safe = build.op("Where", [counted, labels, build.const(0, np.int64)])
+    return build.unsqueeze(safe, [1]), build.op("CastLike", [counted, like])
+
+
+def _label_count(build: NodeBuilder, labels: str, mask, like: str) -> str:
+    """How many labels a "mean" reduction divides by."""
+    if mask is not None:
+        return build.reduce("ReduceSum", mask, None, 0)
+    return build.op("CastLike", [build.op("Size", [labels]), like])
+
+
+def softmax_cross_entropy_loss(build: NodeBuilder):
+    """SoftmaxCrossEntropyLoss as LogSoftmax + GatherElements (no class weights)."""
+    if len(build.node.input) > 2 and build.node.input[2]:
+        return False
+    logits, labels = build.node.input[:2]
+    outputs = list(build.node.output)
+    log_prob = build.op("LogSoftmax", [logits], outputs[1] if len(outputs) > 1 and outputs[1] else None, axis=1)
+    indices, mask = _label_positions(build, labels, log_prob)
+    picked = build.squeeze(build.op("GatherElements", [log_prob, indices], axis=1), [1])
+    if mask is not None:
+        picked = build.op("Mul", [picked, mask])
+    reduction = _attribute_text(build, "reduction", "mean")
+    if reduction != "none":
+        picked = build.reduce("ReduceSum", picked, None, 0)
+    if reduction == "mean":
+        picked = build.op("Div", [picked, _label_count(build, labels, mask, log_prob)])
+    build.op("Neg", [picked], outputs[0])
+    return True
+
+
+def softmax_cross_entropy_loss_grad(build: NodeBuilder):
+    """d logits = (softmax - one_hot(label)) * d loss, per counted label (no class weights).
+
+    The softmax is exp(log_prob); the one-hot subtraction is a scatter of one value per
+    label instead of a dense [N, C] one-hot tensor.
+    """
+    if any(build.node.input[3:]):
+        return False
+    loss_grad, log_prob, labels = build.node.input[:3]
+    indices, mask = _label_positions(build, labels, log_prob)
+    reduction = _attribute_text(build, "reduction", "mean")
+    scale = build.op("CastLike", [loss_grad, log_prob])
+    if reduction == "mean":
+        scale = build.op("Div", [scale, _label_count(build, labels, mask, log_prob)])
+    if mask is not None:
+        scale = build.op("Mul", [scale, mask])
+    if mask is not None or reduction == "none":  # one scale per label, broadcast over classes
+        scale = build.unsqueeze(scale, [1])
+    scaled = build.op("Mul", [build.op("Exp", [log_prob]), scale])
+    at_labels = build.op("Sub", [build.op("GatherElements", [scaled, indices], axis=1), scale])
+    build.op("ScatterElements", [scaled, indices, at_labels], build.node.output[0], axis=1)
+    return True
+
+
+def gelu_grad(build: NodeBuilder):
+    """GeluGrad / BiasGeluGrad_dX: dy * (Phi(x) + x * phi(x)) for x = input (+ bias).
+
+    Spelled as dy * 0.5 * (1 + erf(x / sqrt 2) + x * exp(log(2 / sqrt(2 pi)) - x^2 / 2)).
+    """
+    dy, x = build.node.input[:2]
+    if len(build.node.input) > 2 and build.node.input[2]:
+        x = build.op("Add", [x, build.node.input[2]])
+    scaled = build.op("Mul", [x, _like(build, 1 / math.sqrt(2), x)])
+    erf = build.op("Erf", [scaled])
+    exponent = build.op("Sub", [_like(build, math.log(2 / math.sqrt(2 * math.pi)), x), build.op("Mul", [scaled, scaled])])
+    twice_derivative = build.op("Sum", [erf, build.op("Mul", [x, build.op("Exp", [exponent])]), _like(build, 1.0, x)])
+    build.op("Mul", [build.op("Mul", [dy, twice_derivative]), _like(build, 0.5, x)], build.node.output[0])
+
+
+def relu_grad(build: NodeBuilder):
+    """ReluGrad: dy * (x > 0).
+
+    Equal for finite dy; a non-finite dy where x <= 0 stays non-finite (ReluGrad drops
+    it), which can only turn a step that overflowed elsewhere into a skipped one.
+    """
+    dy, x = build.node.input[:2]
+    positive = build.op("Greater", [x, _like(build, 0.0, x)])
+    build.op("Mul", [dy, build.op("CastLike", [positive, dy])], build.node.output[0])
+
+
+def max_pool_grad(build: NodeBuilder):
+    """MaxPoolGrad as a scatter-add of dy at the pooled indices into zeros shaped like x.
+
+    The indices of ONNX Runtime's MaxPool are flat over the whole input tensor; the add
+    makes overlapping windows sum as MaxPoolGrad does. Needs opset 16 (scatter reduction)
+    and the forward MaxPool in the graph for the input's shape.
+    """
+    dy, indices = build.node.input[:2]
+    pool = build.facts.producers.get(indices)
+    if build.opset < 16 or pool is None or pool.op_type != "MaxPool":
+        return False
+    shape = build.op("Shape", [pool.input[0]])
+    flat = build.const([-1], np.int64)
+    zeros = build.op("Reshape", [build.op("CastLike", [build.op("ConstantOfShape", [shape]), dy]), flat])
+    flat_indices, flat_dy = build.op("Reshape", [indices, flat]), build.op("Reshape", [dy, flat])
+    scattered = build.op("ScatterElements", [zeros, flat_indices, flat_dy], axis=0, reduction="add")
+    build.op("Reshape", [scattered, shape], build.node.output[0])
+    return True
+
+
+FAST_CPU_KERNELS = {
+    "SoftmaxCrossEntropyLoss": softmax_cross_entropy_loss,
+    "SoftmaxCrossEntropyLossGrad": softmax_cross_entropy_loss_grad,
+    "GeluGrad": gelu_grad,
+    "BiasGeluGrad_dX": gelu_grad,
+    "ReluGrad": relu_grad,
+    "MaxPoolGrad": max_pool_grad,
+}
+
+
+def use_fast_cpu_kernels(model: onnx.ModelProto) -> list:
+    """Replace, in place, every node :data:`FAST_CPU_KERNELS` knows; return their names.
+
+    Graphs older than opset 15 (no CastLike) are left as they are.
+    """
+    if opset(model) < 15:
+        return []
+    targets = [node for node in model.graph.node if node.op_type in FAST_CPU_KERNELS]
+    return replace_nodes(model, FAST_CPU_KERNELS, targets)

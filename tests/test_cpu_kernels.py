@@ -1,0 +1,163 @@
+"""Slow CPU kernels replaced by fast equivalents: same values as the kernels they replace.
+
+Each case runs a small graph with the original onnxruntime-training kernel and the same
+graph after ``use_fast_cpu_kernels``, on inputs that reach the edge cases (ignored labels,
+zeros at the ReLU kink, overlapping pooling windows), and checks the original op is gone.
+The trainer-level effect (training graphs use the replacements, parity with torch) is
+checked at the end and by every parity test that uses these ops.
+"""
+
+import copy
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from onnx import TensorProto, helper
+from parity import cpu_options
+
+from orttrainer import ORTTrainer, optim
+from orttrainer.cpu_kernels import use_fast_cpu_kernels
+
+MS = "com.microsoft"
+
+
+def _run(model, feeds):
+    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+def _compare(nodes, inputs, outputs, feeds, replaced_op, atol=1e-6, output_shapes=None):
+    """Run ``nodes`` as they are and with fast kernels; outputs must agree.
+
+    MaxPoolGrad takes its output shape from the graph (``output_shapes``), and crashes
+    without one.
+    """
+    for number, node in enumerate(nodes):
+        node.name = f"{node.op_type}_{number}"
+    graph = helper.make_graph(
+        nodes, "case", [helper.make_tensor_value_info(name, dtype, shape) for name, dtype, shape in inputs],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, (output_shapes or {}).get(name)) for name in outputs],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)])
+    model.ir_version = 8
+    fast = copy.deepcopy(model)
+    assert use_fast_cpu_kernels(fast), "nothing was replaced"
+    assert replaced_op not in {node.op_type for node in fast.graph.node}
+    for expected, actual, name in zip(_run(model, feeds), _run(fast, feeds), outputs):
+        np.testing.assert_allclose(actual, expected, atol=atol, rtol=1e-5, err_msg=name)
+
+
+def _labels(shape, classes, ignored, generator):
+    labels = generator.integers(0, classes, shape).astype(np.int64)
+    labels.reshape(-1)[::3] = ignored  # every third label ignored
+    return labels
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("spatial", [(), (5,)])
+@pytest.mark.parametrize("ignore_index", [None, -100, 2])
+def test_softmax_cross_entropy_and_its_gradient(reduction, spatial, ignore_index):
+    generator = np.random.default_rng(0)
+    batch, classes = 6, 7
+    logits = (generator.standard_normal((batch, classes, *spatial)) * 3).astype(np.float32)
+    labels = _labels((batch, *spatial), classes, -100 if ignore_index is None else ignore_index, generator)
+    if ignore_index is None:
+        labels[labels < 0] = 1
+    loss_shape = [batch, *spatial] if reduction == "none" else []
+    loss_grad = generator.standard_normal(loss_shape).astype(np.float32)
+    attributes = {"reduction": reduction} | ({} if ignore_index is None else {"ignore_index": ignore_index})
+    nodes = [
+        helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "labels"], ["loss", "log_prob"], **attributes),
+        helper.make_node("SoftmaxCrossEntropyLossGrad", ["loss_grad", "log_prob", "labels"], ["logits_grad"], domain=MS, **attributes),
+    ]
+    inputs = [("logits", TensorProto.FLOAT, logits.shape), ("labels", TensorProto.INT64, labels.shape),
+              ("loss_grad", TensorProto.FLOAT, loss_shape)]  # fmt: skip
+    feeds = {"logits": logits, "labels": labels, "loss_grad": loss_grad}
+    _compare(nodes, inputs, ["loss", "log_prob", "logits_grad"], feeds, "SoftmaxCrossEntropyLossGrad")
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gelu_gradient(with_bias):
+    generator = np.random.default_rng(1)
+    x = (generator.standard_normal((4, 16, 32)) * 3).astype(np.float32)
+    x.reshape(-1)[:5] = [0.0, -8.0, 8.0, 1e-8, -30.0]
+    feeds = {"dy": generator.standard_normal(x.shape).astype(np.float32), "x": x}
+    inputs = [("dy", TensorProto.FLOAT, x.shape), ("x", TensorProto.FLOAT, x.shape)]
+    if with_bias:
+        feeds["bias"] = generator.standard_normal(32).astype(np.float32)
+        inputs.append(("bias", TensorProto.FLOAT, [32]))
+        node = helper.make_node("BiasGeluGrad_dX", ["dy", "x", "bias"], ["dx"], domain=MS)
+    else:
+        node = helper.make_node("GeluGrad", ["dy", "x"], ["dx"], domain=MS)
+    _compare([node], inputs, ["dx"], feeds, node.op_type, atol=2e-6)
+
+
+def test_relu_gradient():
+    generator = np.random.default_rng(2)
+    x = generator.standard_normal((8, 300)).astype(np.float32)
+    x[:, ::7] = 0.0  # the kink: no gradient, as in torch
+    feeds = {"dy": generator.standard_normal(x.shape).astype(np.float32), "x": x}
+    node = helper.make_node("ReluGrad", ["dy", "x"], ["dx"], domain=MS)
+    _compare([node], [("dy", TensorProto.FLOAT, x.shape), ("x", TensorProto.FLOAT, x.shape)], ["dx"], feeds, "ReluGrad", atol=0)
+
+
+@pytest.mark.parametrize("kernel, stride, pads", [(2, 2, 0), (3, 2, 1), (3, 1, 1)])
+def test_max_pool_gradient(kernel, stride, pads):
+    generator = np.random.default_rng(3)
+    x = generator.standard_normal((3, 4, 9, 9)).astype(np.float32)
+    attributes = {"kernel_shape": [kernel, kernel], "strides": [stride, stride], "pads": [pads] * 4}
+    out = (9 + 2 * pads - kernel) // stride + 1
+    nodes = [
+        helper.make_node("MaxPool", ["x"], ["y", "indices"], **attributes),
+        helper.make_node("MaxPoolGrad", ["dy", "indices"], ["dx"], **attributes),
+    ]
+    feeds = {"x": x, "dy": generator.standard_normal((3, 4, out, out)).astype(np.float32)}
+    inputs = [("x", TensorProto.FLOAT, x.shape), ("dy", TensorProto.FLOAT, [3, 4, out, out])]
+    _compare(nodes, inputs, ["dx"], feeds, "MaxPoolGrad", output_shapes={"dx": x.shape})
+
+
+class TokenTagger(nn.Module):
+    """Embedding -> Linear -> GELU -> Linear: per-token class scores [N, C, T]."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens = nn.Embedding(50, 16)
+        self.hidden = nn.Linear(16, 32)
+        self.out = nn.Linear(32, 9)
+
+    def forward(self, tokens):
+        return self.out(F.gelu(self.hidden(self.tokens(tokens)))).transpose(1, 2)
+
+
+def test_trainer_uses_fast_kernels_with_ignored_labels(tmp_path):
+    """Cross-entropy with ignored labels over [N, C, T] scores: 3 SGD steps equal torch's."""
+    torch.manual_seed(0)
+    model = TokenTagger()
+    reference = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(3):
+        tokens = torch.randint(0, 50, (4, 6), generator=generator)
+        labels = torch.randint(0, 9, (4, 6), generator=generator)
+        labels[:, ::4] = -100
+        batches.append((tokens, labels))
+    path = tmp_path / "train.onnx"
+    options = cpu_options({"debug": {"graph_save_paths": {"model_with_training_graph_path": str(path)}}})
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.5), loss_fn=F.cross_entropy, options=options)
+    torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for tokens, labels in batches:
+        loss = trainer.train_step(tokens, labels)[0]
+        torch_optimizer.zero_grad()
+        expected = F.cross_entropy(reference(tokens), labels)
+        expected.backward()
+        torch_optimizer.step()
+        torch.testing.assert_close(loss, expected.detach(), atol=1e-5, rtol=1e-5)
+    state = trainer.state_dict(pytorch_format=True)
+    for name, parameter in reference.named_parameters():
+        torch.testing.assert_close(state[name], parameter.detach(), atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    ops = {node.op_type for node in onnx.load(str(path)).graph.node}
+    assert not ops & {"SoftmaxCrossEntropyLoss", "SoftmaxCrossEntropyLossGrad", "BiasGeluGrad_dX", "GeluGrad"}, ops
