@@ -55,6 +55,11 @@ _FLOAT32_OPS = [
 ]  # fmt: skip
 
 
+# Below this many multiply-accumulates per image, a convolution is cheaper on one CPU thread
+# than the thread-pool wake-ups ONNX Runtime's Conv/ConvGrad pay per image (NOTES.md §7).
+SMALL_CONVOLUTION_MACS = 1_000_000
+
+
 class GradientBuildError(RuntimeError):
     """The gradient graph cannot be built; the message names the op types, nodes and modules."""
 
@@ -413,6 +418,39 @@ def _scale_loss(model: onnx.ModelProto, loss_name: str) -> str:
     model.graph.node.append(helper.make_node("Mul", [loss_name, LOSS_SCALE_INPUT], [_SCALED_LOSS], name=_SCALED_LOSS))
     model.graph.output.append(helper.make_empty_tensor_value_info(_SCALED_LOSS))
     return _SCALED_LOSS
+
+
+def _macs_per_sample(node: onnx.NodeProto, shapes: dict):
+    """Multiply-accumulates of a Conv, Gemm or MatMul per sample (dim 0), or None if unknown."""
+    output = shapes.get(node.output[0])
+    if node.op_type == "Conv":
+        weight = shapes.get(node.input[1])
+        dims = (weight or [None]) + (output or [None, None])[2:]
+    elif node.op_type in ("Gemm", "MatMul"):
+        first = shapes.get(node.input[0])
+        transposed = node.op_type == "Gemm" and any(a.name == "transA" and a.i for a in node.attribute)
+        contraction = None if not first else first[0] if transposed else first[-1]
+        dims = (output or [None, None])[1:] + [contraction]
+    else:
+        return None
+    return None if None in dims else int(np.prod(dims))
+
+
+def small_convolutions_dominate(model: onnx.ModelProto) -> bool:
+    """True when convolutions below ``SMALL_CONVOLUTION_MACS`` per image do most of the work.
+
+    Such graphs (LeNet-sized CNNs) train faster with one intra-op thread: ONNX Runtime's
+    CPU Conv and ConvGrad open a thread-pool section per image, and with spinning off
+    each costs a wake-up of the second thread worth more than its share of the work.
+    """
+    shapes = rewrites.static_shapes(model)
+    small = total = 0
+    for node in model.graph.node:
+        macs = _macs_per_sample(node, shapes)
+        if macs is not None:
+            total += macs
+            small += macs if node.op_type == "Conv" and macs < SMALL_CONVOLUTION_MACS else 0
+    return small > total / 2
 
 
 def _quiet_session_options() -> onnxruntime.SessionOptions:

@@ -532,7 +532,8 @@ REWRITES = {
 }
 
 
-def _static_shapes(model: onnx.ModelProto) -> dict:
+def static_shapes(model: onnx.ModelProto) -> dict:
+    """Tensor name -> shape from ONNX shape inference (None for dynamic dims)."""
     inferred = onnx.shape_inference.infer_shapes(model).graph
     shapes = {}
     for info in list(inferred.value_info) + list(inferred.input) + list(inferred.output):
@@ -587,7 +588,7 @@ def rewrite_for_training(model: onnx.ModelProto, only_between=None) -> list:
     targets = [node for node in model.graph.node if node.op_type in REWRITES and (only_between is None or node.name in only_between)]
     if not targets:
         return []
-    return replace_nodes(model, REWRITES, targets, _static_shapes(model), _constants(model))
+    return replace_nodes(model, REWRITES, targets, static_shapes(model), _constants(model))
 
 
 def replace_nodes(model: onnx.ModelProto, table: dict, targets, shapes=None, constants=None) -> list:

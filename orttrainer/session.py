@@ -87,15 +87,16 @@ def device_providers(device: torch.device, mem_limit: int = 0, provider_options=
     return [(name, options), ("CPUExecutionProvider", {})]
 
 
-def session_options(base=None, deterministic=False, optimized_model_path="") -> onnxruntime.SessionOptions:
+def session_options(base=None, deterministic=False, optimized_model_path="", threads=None) -> onnxruntime.SessionOptions:
     """SessionOptions that share the CPU with torch instead of fighting it.
 
     ONNX Runtime's intra-op threads spin by default and then stall torch's own threads
-    in the optimizer step (DESIGN.md), so spinning is turned off.
+    in the optimizer step (DESIGN.md), so spinning is turned off. Intra-op threads are
+    ``threads`` (default: torch's) unless ``base`` sets them.
     """
     options = base if base is not None else onnxruntime.SessionOptions()
     if options.intra_op_num_threads == 0:
-        options.intra_op_num_threads = torch.get_num_threads()
+        options.intra_op_num_threads = threads or torch.get_num_threads()
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.add_session_config_entry("session.inter_op.allow_spinning", "0")
     options.use_deterministic_compute = deterministic

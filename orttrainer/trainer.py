@@ -337,10 +337,12 @@ class ORTTrainer:
         )
         self._save_debug_graphs(graphs)
         debug = self.options.debug
+        one_thread = self._device.type == "cpu" and graph.small_convolutions_dominate(graphs.eval)
         options = session.session_options(
             self.options.session_options,
             debug.deterministic_compute,
             debug.graph_save_paths.model_with_training_graph_after_optimization_path,
+            threads=1 if one_thread else None,
         )
         try:
             self._train_session = session.TorchBoundSession(graphs.train, self._device, self._providers, options)

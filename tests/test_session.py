@@ -1,8 +1,12 @@
 """Provider selection, device strings and binding arguments (CUDA/ROCm logic checked on the CPU)."""
 
+import onnxruntime
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
+from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 from orttrainer.session import device_providers, resolve_device, session_options
 
 CUDA_AND_CPU = ["CUDAExecutionProvider", "CPUExecutionProvider"]
@@ -52,3 +56,36 @@ def test_session_options_turn_spinning_off_and_match_torch_threads():
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     assert options.intra_op_num_threads == torch.get_num_threads()
     assert options.use_deterministic_compute is True
+
+
+def _session_threads(model, images, session_options=None):
+    options = {"device": {"id": "cpu"}} | ({"session_options": session_options} if session_options else {})
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=ORTTrainerOptions(options))
+    trainer.train_step(images, torch.zeros(len(images), dtype=torch.int64))
+    return [bound.session.get_session_options().intra_op_num_threads for bound in (trainer._train_session, trainer._eval_session)]
+
+
+def _cnn(channels, width):
+    """Two 3x3 convolutions and a linear head on ``width``-pixel images."""
+    return nn.Sequential(nn.Conv2d(channels[0], channels[1], 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(channels[1], channels[2], 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                         nn.Linear(channels[2] * (width // 4) ** 2, 10))  # fmt: skip
+
+
+def test_graphs_of_small_convolutions_run_on_one_thread_others_on_torchs():
+    """Below ~1M multiply-accumulates per image Conv/ConvGrad run faster on one thread (NOTES.md §7)."""
+    if torch.get_num_threads() == 1:
+        pytest.skip("with one torch thread every graph gets one thread; the rule is not visible")
+    small = _cnn((1, 6, 16), 28)  # 6*9*784 and 16*54*196 multiply-accumulates per image
+    assert _session_threads(small, torch.randn(4, 1, 28, 28)) == [1, 1]
+    large = _cnn((3, 32, 64), 32)  # the 64-channel convolution does 4.7M per image, most of the work
+    assert _session_threads(large, torch.randn(4, 3, 32, 32)) == [torch.get_num_threads()] * 2
+    mlp = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    assert _session_threads(mlp, torch.randn(4, 64)) == [torch.get_num_threads()] * 2
+
+
+def test_threads_set_by_the_user_are_kept():
+    user = onnxruntime.SessionOptions()
+    user.intra_op_num_threads = 2
+    assert _session_threads(_cnn((1, 6, 16), 28), torch.randn(4, 1, 28, 28), user) == [2, 2]
+    assert session_options(threads=1).intra_op_num_threads == 1
