@@ -113,3 +113,16 @@ def two_head_batch(batch=8, generator=None):
     x = torch.randn(batch, 16, generator=generator)
     target = torch.stack([torch.randn(batch, generator=generator), torch.randint(0, 4, (batch,), generator=generator).float()], 1)
     return x, target
+
+
+class TokenTagger(nn.Module):
+    """Embedding -> Linear -> GELU -> Linear: per-token class scores [N, C, T]."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens = nn.Embedding(50, 16)
+        self.hidden = nn.Linear(16, 32)
+        self.out = nn.Linear(32, 9)
+
+    def forward(self, tokens):
+        return self.out(F.gelu(self.hidden(self.tokens(tokens)))).transpose(1, 2)

@@ -14,9 +14,9 @@ import onnx
 import onnxruntime
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from onnx import TensorProto, helper
+from models import TokenTagger
 from parity import cpu_options
 
 from orttrainer import ORTTrainer, optim
@@ -118,19 +118,6 @@ def test_max_pool_gradient(kernel, stride, pads):
     feeds = {"x": x, "dy": generator.standard_normal((3, 4, out, out)).astype(np.float32)}
     inputs = [("x", TensorProto.FLOAT, x.shape), ("dy", TensorProto.FLOAT, [3, 4, out, out])]
     _compare(nodes, inputs, ["dx"], feeds, "MaxPoolGrad", output_shapes={"dx": x.shape})
-
-
-class TokenTagger(nn.Module):
-    """Embedding -> Linear -> GELU -> Linear: per-token class scores [N, C, T]."""
-
-    def __init__(self):
-        super().__init__()
-        self.tokens = nn.Embedding(50, 16)
-        self.hidden = nn.Linear(16, 32)
-        self.out = nn.Linear(32, 9)
-
-    def forward(self, tokens):
-        return self.out(F.gelu(self.hidden(self.tokens(tokens)))).transpose(1, 2)
 
 
 def test_trainer_uses_fast_kernels_with_ignored_labels(tmp_path):
