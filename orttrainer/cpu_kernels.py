@@ -10,6 +10,7 @@ float32 training graphs are rewritten: other providers have fast kernels of thei
 """
 
 import math
+from collections import defaultdict
 
 import numpy as np
 import onnx
@@ -147,6 +148,36 @@ FAST_CPU_KERNELS = {
     "ReluGrad": relu_grad,
     "MaxPoolGrad": max_pool_grad,
 }
+
+
+def pool_before_relu(model: onnx.ModelProto) -> int:
+    """Swap, in place, Relu -> MaxPool into MaxPool -> Relu; return how many were swapped.
+
+    Both give the same values (ReLU is monotone) and the same gradients: where the window
+    maximum is positive both route dy to its first maximum, elsewhere both give zero. After
+    the swap the ReLU and its gradient touch the pooled tensor, a quarter of the size for
+    2x2 pooling. Only a Relu whose output feeds nothing but the MaxPool is swapped.
+    """
+    readers = defaultdict(list)
+    for node in model.graph.node:
+        for name in node.input:
+            readers[name].append(node)
+    graph_outputs = {output.name for output in model.graph.output}
+    nodes = list(model.graph.node)
+    swapped = 0
+    for relu in [node for node in nodes if node.op_type == "Relu"]:
+        activation = relu.output[0]
+        pool = readers[activation][0] if len(readers[activation]) == 1 else None
+        if pool is None or pool.op_type != "MaxPool" or activation in graph_outputs:
+            continue
+        pooled = f"{pool.output[0]}_before_relu"
+        pool.input[0], relu.output[0], pool.output[0], relu.input[0] = relu.input[0], pool.output[0], pooled, pooled
+        nodes.remove(pool)
+        nodes.insert(nodes.index(relu), pool)
+        swapped += 1
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return swapped
 
 
 def use_fast_cpu_kernels(model: onnx.ModelProto) -> list:

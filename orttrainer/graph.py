@@ -479,6 +479,8 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
         eval_model = to_mixed_precision(eval_model, [loss_name])
 
     make_differentiable(model, trainable, loss_name)
+    if fast_cpu_kernels and not mixed_precision:
+        cpu_kernels.pool_before_relu(model)
     input_names = {graph_input.name for graph_input in model.graph.input}
     _force_dropout_training_mode(model)
     running_statistics = _expose_running_statistics(model, input_names)

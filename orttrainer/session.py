@@ -156,5 +156,5 @@ class TorchBoundSession:
         for name in self._allocated_outputs:  # fresh buffers: a returned tensor must not be overwritten later
             self._bind_output(name)
         self.session.run_with_iobinding(self._binding)
-        values = self._binding.get_outputs()
-        return [from_dlpack(values[self._output_positions[name]]._ortvalue.to_dlpack()) for name in self._allocated_outputs]
+        values = self._binding._iobinding.get_outputs()  # raw OrtValues: no Python wrapper per output
+        return [from_dlpack(values[self._output_positions[name]].to_dlpack()) for name in self._allocated_outputs]

@@ -148,3 +148,35 @@ def test_trainer_uses_fast_kernels_with_ignored_labels(tmp_path):
         torch.testing.assert_close(state[name], parameter.detach(), atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
     ops = {node.op_type for node in onnx.load(str(path)).graph.node}
     assert not ops & {"SoftmaxCrossEntropyLoss", "SoftmaxCrossEntropyLossGrad", "BiasGeluGrad_dX", "GeluGrad"}, ops
+
+
+def _ties_cnn():
+    """Conv -> ReLU -> MaxPool -> Linear, with one channel exactly 0 and one all negative."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(1, 3, 3, padding=1)
+    with torch.no_grad():
+        conv.weight[1:] = 0.0
+        conv.bias[1], conv.bias[2] = 0.0, -1.0  # pre-activations: exactly 0 (the kink), all negative
+    return torch.nn.Sequential(conv, torch.nn.ReLU(), torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(3 * 16, 5))
+
+
+def test_relu_before_max_pool_is_swapped_with_torchs_gradients(tmp_path):
+    """ReLU -> MaxPool trains as MaxPool -> ReLU, with torch's values and gradients, ties included."""
+    model = _ties_cnn()
+    reference = copy.deepcopy(model)
+    images, labels = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1, 2, 3])
+    path = tmp_path / "train.onnx"
+    options = cpu_options({"debug": {"graph_save_paths": {"model_with_training_graph_path": str(path)}}})
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=1.0), loss_fn=F.cross_entropy, options=options)
+    loss = trainer.train_step(images, labels)[0]
+    expected = F.cross_entropy(reference(images), labels)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), atol=1e-6, rtol=1e-6)
+    state = trainer.state_dict(pytorch_format=True)
+    for name, parameter in reference.named_parameters():
+        torch.testing.assert_close(reference.state_dict()[name] - state[name], parameter.grad, atol=1e-6, rtol=1e-5,
+                                   msg=lambda m: f"gradient of {name}: {m}")  # fmt: skip
+    graph = onnx.load(str(path)).graph
+    producers = {output: node.op_type for node in graph.node for output in node.output}
+    pools = [node for node in graph.node if node.op_type == "MaxPool"]
+    assert pools and all(producers[pool.input[0]] == "Conv" for pool in pools), "the ReLU still comes first"

@@ -134,7 +134,7 @@ class _Adam(_MomentOptimizer):
     def _step_group(self, grads, lr, scale, hyper, indices, count):
         weights = _pick(self.weights, indices)
         if self._uses_fused_kernel(hyper):
-            steps = [torch.tensor(float(count)) for _ in indices]
+            steps = [torch.tensor(float(count))] * len(indices)  # read, not written, by the kernel
             grad_scale = None if scale == 1.0 else torch.tensor(1.0 / scale, device=weights[0].device)
             torch._fused_adamw_(
                 weights, grads, _pick(self.moment_1, indices), _pick(self.moment_2, indices), [], steps,
