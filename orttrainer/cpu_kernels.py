@@ -5,8 +5,10 @@ several times slower than the same arithmetic spelled with ONNX Runtime's vector
 elementwise ops (measured in benchmarks/NOTES.md): the softmax cross-entropy loss and
 its gradient, the GELU, ReLU and max-pool gradients. Each function below emits, through
 a :class:`~orttrainer.rewrites.NodeBuilder`, the same values with fast ops; values and
-gradients are checked against the originals in tests/test_cpu_kernels.py. Only CPU
-float32 training graphs are rewritten: other providers have fast kernels of their own.
+gradients are checked against the originals in tests/test_cpu_kernels.py. Before the
+gradient is built, ``pool_before_relu`` also moves ReLUs behind the max pools they feed,
+so that they and their gradients work on pooled tensors. Only CPU float32 training graphs
+are rewritten: other providers have fast kernels of their own.
 """
 
 import math

@@ -56,7 +56,7 @@ _FLOAT32_OPS = [
 
 
 # Below this many multiply-accumulates per image, a convolution is cheaper on one CPU thread
-# than the thread-pool wake-ups ONNX Runtime's Conv/ConvGrad pay per image (NOTES.md §7).
+# than the thread-pool wake-ups ONNX Runtime's Conv/ConvGrad pay per image (benchmarks/NOTES.md §8).
 SMALL_CONVOLUTION_MACS = 1_000_000
 
 

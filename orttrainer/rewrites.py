@@ -242,9 +242,11 @@ def space_to_depth(build):
 
 def _gather_index(build, node):
     """The index of a Gather of one constant scalar index (negatives resolved), else None."""
+    if node.op_type != "Gather":
+        return None
     data, indices = node.input
     value = build.constants.get(indices)
-    if node.op_type != "Gather" or value is None or value.ndim != 0:
+    if value is None or value.ndim != 0:
         return None
     index = int(value)
     if index < 0:

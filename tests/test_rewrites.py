@@ -75,6 +75,12 @@ def _parts(h, size, indices):
     return picked[0] * picked[-1] + picked[0]
 
 
+def _lookup_beside_softplus(h):
+    """A lookup along axis 0 next to another rewritten op (Softplus) reading the same tensor."""
+    grouped = h.reshape(2, 6, 4)
+    return grouped[0] * F.softplus(grouped).sum(0)
+
+
 CASES = {
     "Softplus": (lambda: Around(nn.Softplus()), vectors),
     "Softplus (beta 2)": (lambda: Around(nn.Softplus(beta=2.0)), vectors),
@@ -113,6 +119,7 @@ CASES = {
     "Gather (every index of an axis: Split)": (lambda: Around(lambda h: _parts(h, 2, [0, 1])), vectors),
     "Gather (indices 0, 1 of 4: Split with rest)": (lambda: Around(lambda h: _parts(h, 4, [1, 0])), vectors),
     "Gather (one index: Slice)": (lambda: Around(lambda h: _parts(h, 4, [2])), vectors),
+    "Gather (its tensor also read by a Softplus)": (lambda: Around(_lookup_beside_softplus), vectors),
 }
 EXPECTED_OP = {name: name.split(" ")[0] for name in CASES}
 EXPECTED_OP["Mish (Softplus inside)"] = "Softplus"
