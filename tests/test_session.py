@@ -73,7 +73,7 @@ def _cnn(channels, width):
 
 
 def test_graphs_of_small_convolutions_run_on_one_thread_others_on_torchs():
-    """Below ~1M multiply-accumulates per image Conv/ConvGrad run faster on one thread (NOTES.md §7)."""
+    """Below ~1M multiply-accumulates per image Conv/ConvGrad run faster on one thread (benchmarks/NOTES.md §8)."""
     if torch.get_num_threads() == 1:
         pytest.skip("with one torch thread every graph gets one thread; the rule is not visible")
     small = _cnn((1, 6, 16), 28)  # 6*9*784 and 16*54*196 multiply-accumulates per image
