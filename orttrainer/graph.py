@@ -443,6 +443,8 @@ def small_convolutions_dominate(model: onnx.ModelProto) -> bool:
     CPU Conv and ConvGrad open a thread-pool section per image, and with spinning off
     each costs a wake-up of the second thread worth more than its share of the work.
     """
+    if not any(node.op_type == "Conv" for node in model.graph.node):
+        return False
     shapes = rewrites.static_shapes(model)
     small = total = 0
     for node in model.graph.node:
