@@ -25,11 +25,6 @@ def _like(build: NodeBuilder, value: float, tensor: str) -> str:
     return build.op("CastLike", [build.const(value), tensor])
 
 
-def _attribute_text(build: NodeBuilder, name: str, default: str) -> str:
-    value = build.attribute(name, default)
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def _label_positions(build: NodeBuilder, labels: str, like: str):
     """(class indices unsqueezed at axis 1, float mask of counted labels or None).
 
@@ -63,7 +58,7 @@ def softmax_cross_entropy_loss(build: NodeBuilder):
     picked = build.squeeze(build.op("GatherElements", [log_prob, indices], axis=1), [1])
     if mask is not None:
         picked = build.op("Mul", [picked, mask])
-    reduction = _attribute_text(build, "reduction", "mean")
+    reduction = build.attribute("reduction", "mean")
     if reduction != "none":
         picked = build.reduce("ReduceSum", picked, None, 0)
     if reduction == "mean":
@@ -82,7 +77,7 @@ def softmax_cross_entropy_loss_grad(build: NodeBuilder):
         return False
     loss_grad, log_prob, labels = build.node.input[:3]
     indices, mask = _label_positions(build, labels, log_prob)
-    reduction = _attribute_text(build, "reduction", "mean")
+    reduction = build.attribute("reduction", "mean")
     scale = build.op("CastLike", [loss_grad, log_prob])
     if reduction == "mean":
         scale = build.op("Div", [scale, _label_count(build, labels, mask, log_prob)])

@@ -247,7 +247,7 @@ def _expose_running_statistics(model: onnx.ModelProto, input_names) -> list:
         x, running_mean, running_var = node.input[0], node.input[3], node.input[4]
         if running_mean not in input_names or running_var not in input_names:
             continue
-        momentum = next((attribute.f for attribute in node.attribute if attribute.name == "momentum"), 0.9)
+        momentum = rewrites.node_attribute(node, "momentum", 0.9)
         count = f"{node.name}.values_per_channel"
         graph.node.extend(
             [
@@ -286,8 +286,7 @@ def _split_embedding_lookups(model: onnx.ModelProto, trainable) -> list:
     inputs = {graph_input.name: graph_input for graph_input in graph.input}
     found, lookups = [], {}
     for node in list(graph.node):
-        axis = next((attribute.i for attribute in node.attribute if attribute.name == "axis"), 0)
-        if node.op_type != "Gather" or axis != 0 or node.input[0] not in trainable:
+        if node.op_type != "Gather" or rewrites.node_attribute(node, "axis", 0) != 0 or node.input[0] not in trainable:
             continue
         weight = node.input[0]
         if weight not in lookups:
@@ -428,7 +427,7 @@ def _macs_per_sample(node: onnx.NodeProto, shapes: dict):
         dims = (weight or [None]) + (output or [None, None])[2:]
     elif node.op_type in ("Gemm", "MatMul"):
         first = shapes.get(node.input[0])
-        transposed = node.op_type == "Gemm" and any(a.name == "transA" and a.i for a in node.attribute)
+        transposed = node.op_type == "Gemm" and rewrites.node_attribute(node, "transA", 0)
         contraction = None if not first else first[0] if transposed else first[-1]
         dims = (output or [None, None])[1:] + [contraction]
     else:

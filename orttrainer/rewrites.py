@@ -16,6 +16,15 @@ import onnx
 from onnx import helper, numpy_helper
 
 
+def node_attribute(node: onnx.NodeProto, name: str, default=None):
+    """The value of ``node``'s attribute ``name`` (strings as str), or ``default``."""
+    for attribute in node.attribute:
+        if attribute.name == name:
+            value = helper.get_attribute_value(attribute)
+            return value.decode() if isinstance(value, bytes) else value
+    return default
+
+
 class RewriteError(ValueError):
     """An op could be rewritten in general, but not this instance (e.g. a dynamic dimension)."""
 
@@ -57,10 +66,7 @@ class NodeBuilder:
         return name
 
     def attribute(self, name, default=None):
-        for attribute in self.node.attribute:
-            if attribute.name == name:
-                return helper.get_attribute_value(attribute)
-        return default
+        return node_attribute(self.node, name, default)
 
     def shape(self, name):
         """Static shape (None for dynamic dims) of a tensor, from ONNX shape inference."""
@@ -194,7 +200,7 @@ def average_pool(build):
     it breaks with a dynamic batch dimension; ConvGrad does not.
     """
     x = build.node.input[0]
-    if build.attribute("ceil_mode", 0) or build.attribute("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+    if build.attribute("ceil_mode", 0) or build.attribute("auto_pad", "NOTSET") != "NOTSET":
         raise RewriteError(f"AveragePool node '{build.node.name}' with ceil_mode or auto_pad cannot be rewritten")
     kernel = list(build.attribute("kernel_shape"))
     (channels,) = build.static_dims(x, [1])
@@ -222,7 +228,7 @@ def depth_to_space(build):
     block = build.attribute("blocksize")
     channels, height, width = build.static_dims(x, [1, 2, 3])
     depth = channels // (block * block)
-    if build.attribute("mode", b"DCR") in (b"CRD", "CRD"):
+    if build.attribute("mode", "DCR") == "CRD":
         split, perm = [0, depth, block, block, height, width], [0, 1, 4, 2, 5, 3]
     else:
         split, perm = [0, block, block, depth, height, width], [0, 3, 4, 1, 5, 2]
@@ -250,13 +256,9 @@ def _gather_index(build, node):
         return None
     index = int(value)
     if index < 0:
-        (size,) = build.static_dims(data, [_gather_axis(node)])
+        (size,) = build.static_dims(data, [node_attribute(node, "axis", 0)])
         index += size
     return index
-
-
-def _gather_axis(node):
-    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), 0)
 
 
 def constant_index_gather(build):
@@ -271,10 +273,10 @@ def constant_index_gather(build):
     index = _gather_index(build, build.node)
     if index is None:
         return False
-    data, axis = build.node.input[0], _gather_axis(build.node)
+    data, axis = build.node.input[0], build.attribute("axis", 0)
     siblings = [
         node for node in build.facts.consumers[data]
-        if node.name in build.facts.targets and node.input[0] == data and _gather_axis(node) == axis
+        if node.name in build.facts.targets and node.input[0] == data and node_attribute(node, "axis", 0) == axis
         and _gather_index(build, node) is not None
     ]  # fmt: skip
     count = len(siblings)
@@ -299,8 +301,8 @@ def nearest_upsample(build):
     """Resize by whole-number factors in nearest mode as Reshape + Expand + Reshape
     (ONNX Runtime has no CPU kernel for ResizeGrad)."""
     x = build.node.input[0]
-    mode = build.attribute("mode", b"nearest")
-    if mode not in (b"nearest", "nearest"):
+    mode = build.attribute("mode", "nearest")
+    if mode != "nearest":
         raise RewriteError(f"Resize node '{build.node.name}': only mode 'nearest' can be rewritten, got {mode!r}")
     shape = build.shape(x)
     rank = len(shape)
@@ -423,9 +425,7 @@ def sign(build):
 
 
 def _einsum_terms(build):
-    equation = build.attribute("equation")
-    equation = equation.decode() if isinstance(equation, bytes) else equation
-    equation = equation.replace(" ", "")
+    equation = build.attribute("equation").replace(" ", "")
     if "..." in equation or "->" not in equation:
         raise RewriteError(f"Einsum node '{build.node.name}': equation '{equation}' needs an explicit '->' and no '...'")
     inputs, output = equation.split("->")
