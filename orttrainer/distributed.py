@@ -73,9 +73,7 @@ def all_reduce_sum(tensor: torch.Tensor) -> None:
 
 def check_same_on_all_ranks(world: World, description: str, blob: bytes) -> None:
     """Fail on every rank if ``blob`` (e.g. the training graph + options) differs anywhere."""
-    digest = hashlib.sha256(blob).hexdigest()
-    digests = [None] * world.size
-    dist.all_gather_object(digests, digest)
+    digests = gather_objects(world, hashlib.sha256(blob).hexdigest())
     differing = [rank for rank, other in enumerate(digests) if other != digests[0]]
     if differing:
         raise RuntimeError(f"{description} differs between rank 0 and rank(s) {differing}: every rank must build the same model")
