@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from onnx import TensorProto, helper
 from models import TokenTagger
-from parity import cpu_options
+from parity import cpu_options, run_parity
 
 from orttrainer import ORTTrainer, optim
 from orttrainer.cpu_kernels import use_fast_cpu_kernels
@@ -123,8 +123,6 @@ def test_max_pool_gradient(kernel, stride, pads):
 def test_trainer_uses_fast_kernels_with_ignored_labels(tmp_path):
     """Cross-entropy with ignored labels over [N, C, T] scores: 3 SGD steps equal torch's."""
     torch.manual_seed(0)
-    model = TokenTagger()
-    reference = copy.deepcopy(model)
     generator = torch.Generator().manual_seed(0)
     batches = []
     for _ in range(3):
@@ -134,18 +132,8 @@ def test_trainer_uses_fast_kernels_with_ignored_labels(tmp_path):
         batches.append((tokens, labels))
     path = tmp_path / "train.onnx"
     options = cpu_options({"debug": {"graph_save_paths": {"model_with_training_graph_path": str(path)}}})
-    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.5), loss_fn=F.cross_entropy, options=options)
-    torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
-    for tokens, labels in batches:
-        loss = trainer.train_step(tokens, labels)[0]
-        torch_optimizer.zero_grad()
-        expected = F.cross_entropy(reference(tokens), labels)
-        expected.backward()
-        torch_optimizer.step()
-        torch.testing.assert_close(loss, expected.detach(), atol=1e-5, rtol=1e-5)
-    state = trainer.state_dict(pytorch_format=True)
-    for name, parameter in reference.named_parameters():
-        torch.testing.assert_close(state[name], parameter.detach(), atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    run_parity(TokenTagger(), batches, optim.SGDConfig(lr=0.5), lambda parameters: torch.optim.SGD(parameters, lr=0.5),
+               loss_fn=F.cross_entropy, options=options)  # fmt: skip
     ops = {node.op_type for node in onnx.load(str(path)).graph.node}
     assert not ops & {"SoftmaxCrossEntropyLoss", "SoftmaxCrossEntropyLossGrad", "BiasGeluGrad_dX", "GeluGrad"}, ops
 
