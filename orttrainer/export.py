@@ -3,22 +3,38 @@
 The exported graph takes the model_desc inputs (the label last when a loss_fn is
 given) and returns the loss first, then the model's outputs. Its weight initializers
 are named exactly like the keys of the module's ``state_dict()``.
+
+Everything that would make the graph train something other than the module is either
+handled or refused here, before any graph is built: hooks the graph cannot hold, custom
+autograd Functions, and every exporter warning that says the trace may differ from the
+module (data-dependent control flow, Python values baked in, buffers mutated in place).
+Submodules keep the train/eval mode the user gave them (a frozen BatchNorm stays frozen).
 """
 
+import ast
+import copy
+import functools
 import io
+import linecache
+import os
+import re
+import sys
 import warnings
+from dataclasses import dataclass
 
 import onnx
 import torch
 from torch.onnx import TrainingMode
+from torch.overrides import TorchFunctionMode
 
 from . import symbolics
 
 _WRAPPED = "model."  # prefix the wrapper adds to every weight name
+_TORCH_DIRECTORY = os.path.dirname(torch.__file__) + os.sep
 
 
-class ExportError(RuntimeError):
-    """torch.onnx.export failed; the torch error is chained as ``__cause__``."""
+class ExportError(ValueError):
+    """The module cannot be exported as a graph that trains like it; the message says why and where."""
 
 
 class _ModelWithLoss(torch.nn.Module):
@@ -38,16 +54,294 @@ class _ModelWithLoss(torch.nn.Module):
         return (self.loss_fn(outputs[0] if len(outputs) == 1 else outputs, inputs[-1]),) + outputs
 
 
+def with_loss(model, loss_fn, forward_names) -> torch.nn.Module:
+    """``model`` + ``loss_fn`` as one module taking the graph's inputs and returning its outputs."""
+    return _ModelWithLoss(model, loss_fn, forward_names)
+
+
 def sample_outputs(model, loss_fn, forward_names, inputs):
     """Run model (+ loss) once in eval mode without autograd, leaving the module as it was."""
-    wrapper = _ModelWithLoss(model, loss_fn, forward_names)
-    was_training = model.training
+    wrapper = with_loss(model, loss_fn, forward_names)
+    modes = {layer: layer.training for layer in model.modules()}
     model.eval()
     try:
         with torch.no_grad():
             return wrapper(*inputs)
     finally:
-        model.train(was_training)
+        for layer, training in modes.items():
+            layer.training = training
+
+
+# ------------------------------------------------------------------ the module to export
+def module_for_export(model: torch.nn.Module) -> torch.nn.Module:
+    """A CPU copy of the user's module, in the modes it trains in; the user's module is never touched.
+
+    Submodules the user put in ``eval()`` stay in eval (a frozen BatchNorm keeps its
+    running statistics, as in a torch loop). A root module in ``eval()`` is trained in
+    ``train()`` mode throughout, as the legacy ORTTrainer did.
+    """
+    refuse_untrainable_modules(model)
+    try:
+        module = copy.deepcopy(model).cpu()
+    except Exception as error:  # deepcopy of arbitrary user modules can fail in many ways
+        raise ExportError(
+            f"could not copy {type(model).__name__} ({type(error).__name__}: {error}); orttrainer exports a copy "
+            "so that your module is never changed; make the module deep-copyable (copy.deepcopy(model))"
+        ) from error
+    if not module.training:
+        module.train()
+    return module
+
+
+def _backward_hook_owners(model: torch.nn.Module) -> list:
+    owners = []
+    if torch.nn.modules.module._global_backward_hooks or torch.nn.modules.module._global_backward_pre_hooks:
+        owners.append("a global module backward hook (torch.nn.modules.module.register_module_full_backward_hook)")
+    for path, layer in model.named_modules():
+        if layer._backward_hooks or layer._backward_pre_hooks:
+            owners.append(f"module '{path or type(model).__name__}' ({type(layer).__name__}) has a backward hook")
+    for name, parameter in model.named_parameters():
+        if parameter._backward_hooks or getattr(parameter, "_post_accumulate_grad_hooks", None):
+            owners.append(f"parameter '{name}' has a gradient hook")
+    return owners
+
+
+def refuse_untrainable_modules(model: torch.nn.Module) -> None:
+    """Refuse, by inspecting the module, what the ONNX graph would silently drop."""
+    problems = [f"{owner}: ONNX Runtime computes the gradients, so it would never run" for owner in _backward_hook_owners(model)]
+    for path, layer in model.named_modules():
+        if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm) and layer.track_running_stats and layer.momentum is None:
+            raise NotImplementedError(
+                f"module '{path}' ({type(layer).__name__}) uses momentum=None (cumulative average); set a momentum"
+            )
+        if isinstance(layer, torch.nn.Embedding) and layer.max_norm is not None:
+            problems.append(
+                f"module '{path}' (Embedding) has max_norm={layer.max_norm}: torch renormalises rows in place during forward, "
+                "which an ONNX graph cannot do; remove max_norm (or renormalise the weight yourself between steps)"
+            )
+    if problems:
+        raise ExportError("cannot train this model the way torch would:\n- " + "\n- ".join(problems))
+
+
+class _HookAndFunctionSpy(TorchFunctionMode):
+    """Records ``Tensor.register_hook`` calls made while forward runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.hooks = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook):
+            self.hooks.append(_user_location())
+        return func(*args, **(kwargs or {}))
+
+
+def _custom_functions(output) -> list:
+    """Names of the custom torch.autograd.Functions in the autograd graph of ``output``."""
+    seen, found, stack = set(), [], [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            function = node._forward_cls
+            name = f"{function.__module__}.{function.__qualname__}"
+            if name not in found:
+                found.append(name)
+        stack.extend(child for child, _ in node.next_functions)
+    return found
+
+
+def refuse_custom_backward(module, loss_fn, forward_names, inputs, loss_index: int) -> None:
+    """Run forward + loss once with autograd and refuse what carries a hand-written backward.
+
+    A custom ``torch.autograd.Function`` is exported as its forward ops, so its backward
+    (a straight-through estimator, a gradient reversal) would be replaced by the
+    gradient of those ops; a hook registered on a tensor inside forward would never run.
+    """
+    state = {name: tensor.clone() for name, tensor in module.state_dict().items()}
+    wrapper = with_loss(module, loss_fn, forward_names)
+    try:
+        with torch.enable_grad(), _HookAndFunctionSpy() as spy:
+            outputs = wrapper(*inputs)
+        loss = (list(outputs) if isinstance(outputs, (tuple, list)) else [outputs])[loss_index]
+        functions = _custom_functions(loss) if isinstance(loss, torch.Tensor) else []
+    finally:
+        module.load_state_dict(state)  # forward in train mode moved BatchNorm statistics
+    problems = [f"tensor.register_hook at {where}: ONNX Runtime computes the gradients, so the hook would never run"
+                for where in spy.hooks]  # fmt: skip
+    problems += [f"custom torch.autograd.Function {name}: its backward would be replaced by the gradient of the ops "
+                 "in its forward" for name in functions]  # fmt: skip
+    if problems:
+        raise ExportError(
+            "cannot train this model the way torch would:\n- " + "\n- ".join(problems) + "\nTrain it with plain torch, "
+            "or express the computation with standard differentiable ops."
+        )
+
+
+# ----------------------------------------------------------------- exporter warnings
+def _user_location() -> str:
+    """'file:line: source' of the innermost frame outside torch, Python's warnings and orttrainer."""
+    frame = sys._getframe(1)
+    own = os.path.dirname(__file__) + os.sep
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not (filename.startswith(_TORCH_DIRECTORY) or filename.startswith(own) or filename == warnings.__file__):
+            source = linecache.getline(filename, frame.f_lineno).strip()
+            return f"{filename}:{frame.f_lineno}" + (f": {source}" if source else "")
+        frame = frame.f_back
+    return "(unknown location)"
+
+
+@dataclass
+class _Heard:
+    """One exporter warning and the user's line that was running when it was raised."""
+
+    category: type
+    message: str
+    filename: str
+    lineno: int
+    where: str
+
+    def describe(self) -> str:
+        """The user's line, and the line inside torch that raised the warning if it is another."""
+        if self.where.startswith(f"{self.filename}:{self.lineno}"):
+            return self.where
+        return f"{self.where} (inside: {self.filename}:{self.lineno}: {linecache.getline(self.filename, self.lineno).strip()})"
+
+
+# Exporter warnings that do not mean the graph differs from the module, each with why.
+_HARMLESS = [
+    # orttrainer chooses the TorchScript exporter deliberately (docs/stack_facts.md)
+    (DeprecationWarning, r"You are using the legacy TorchScript-based ONNX export"),
+    # torch's exporter calling one of its own deprecated helpers
+    (DeprecationWarning, r"The feature will be removed\. Please remove usage of this function"),
+    # BatchNorm's batch counter: the trainer counts batches itself
+    (UserWarning, r"Removing mutation from node aten::add_ on block input: '[^']*num_batches_tracked'"),
+]
+
+# Exporter warnings that mean the graph may differ from the module: (pattern, why and what to do).
+_DIFFERENT = [
+    (r"Converting a tensor to a Python boolean",
+     "a Python `if` on a tensor: the branch the first batch took is frozen into the graph; use torch.where or "
+     "train this model with torch"),
+    (r"Removing mutation from node (\S+) on block input: '([^']*)'",
+     "forward changes this buffer in place, and the graph cannot: torch would update it every step, orttrainer never"),
+    (r"ONNX export of embedding with padding_idx",
+     "the padding row would be trained; use nn.Embedding/F.embedding, whose padding_idx orttrainer handles"),
+    (r"(?i)dropout",
+     "the exporter changes or drops a dropout; check the layer's dropout arguments"),
+]  # fmt: skip
+
+# Exporter warnings that a value of the first batch became a constant: harmless when it
+# comes from a shape that never changes (a model width), wrong when it comes from the data
+# (``int(mask.sum())``). The graph is then held to the first batch's shapes, and re-exported
+# once with a batch of other values to show the constants do not depend on them.
+_FROZEN_VALUE = (r"Converting a tensor to a Python (integer|float|number|index)|Iterating over a tensor|"
+                 r"torch\.tensor results are registered as constants")  # fmt: skip
+
+
+def _only_complains(statements) -> bool:
+    """True when every path through ``statements`` just raises or warns."""
+    for statement in statements:
+        if isinstance(statement, ast.Raise):
+            continue
+        if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Call):
+            function = statement.value.func
+            if (function.attr if isinstance(function, ast.Attribute) else getattr(function, "id", "")) == "warn":
+                continue
+        if isinstance(statement, ast.If) and _only_complains(statement.body) and _only_complains(statement.orelse):
+            continue
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=64)
+def _statements_by_line(filename: str) -> dict:
+    try:
+        tree = ast.parse("".join(linecache.getlines(filename)))
+    except (SyntaxError, ValueError):
+        return {}
+    return {node.lineno: node for node in ast.walk(tree) if isinstance(node, (ast.If, ast.Assert))}
+
+
+def _is_argument_check(filename: str, lineno: int) -> bool:
+    """True when the line is an ``assert``, or an ``if`` whose block only raises or warns.
+
+    Such a check only decides whether to complain (torch's own shape checks in attention,
+    losses and normalisation, a user's ``assert``): freezing it changes no value the graph
+    computes. The check that matters at run time, batch norm's more than one value per
+    channel, the trainer repeats on every step.
+    """
+    statement = _statements_by_line(filename).get(lineno)
+    if isinstance(statement, ast.Assert):
+        return True
+    return isinstance(statement, ast.If) and not statement.orelse and _only_complains(statement.body)
+
+
+def _is_harmless(heard: _Heard) -> bool:
+    if heard.category.__name__ == "TracerWarning" and _is_argument_check(heard.filename, heard.lineno):
+        return True
+    return any(issubclass(heard.category, category) and re.search(pattern, heard.message) for category, pattern in _HARMLESS)
+
+
+def _reason_graph_differs(heard: _Heard):
+    for pattern, reason in _DIFFERENT:
+        if re.search(pattern, heard.message):
+            return reason
+    return None
+
+
+class _ExporterWarnings:
+    """Hears every warning raised during export, with the user's line that caused it.
+
+    On exit: warnings that mean the graph may differ from the module become one
+    ExportError naming each source line and the fix; harmless ones (``_HARMLESS``, one by
+    one, with the reason) are dropped; all others reach the user unchanged.
+    """
+
+    def __enter__(self):
+        self.heard = []
+        self._catcher = warnings.catch_warnings()
+        self._catcher.__enter__()
+        warnings.simplefilter("always")  # every occurrence, not once per location: each may name another line
+        warnings.showwarning = self._hear
+        return self
+
+    def _hear(self, message, category, filename, lineno, file=None, line=None):
+        self.heard.append(_Heard(category, str(message), filename, lineno, _user_location()))
+
+    def __exit__(self, *exc_info):
+        self._catcher.__exit__(*exc_info)
+        if exc_info[0] is not None:
+            return False
+        problems, self.frozen_values = [], []
+        for heard in self.heard:
+            if _is_harmless(heard):
+                continue
+            if re.search(_FROZEN_VALUE, heard.message):
+                self.frozen_values += [heard.describe()] if heard.describe() not in self.frozen_values else []
+                continue
+            reason = _reason_graph_differs(heard)
+            if reason is None:
+                warnings.warn_explicit(heard.message, heard.category, heard.filename, heard.lineno)
+            elif f"{heard.describe()}: {reason}" not in problems:
+                problems.append(f"{heard.describe()}: {reason}")
+        if problems:
+            raise ExportError(
+                "the exported graph would not train like the module:\n- " + "\n- ".join(problems)
+            )
+        return False
+
+
+# -------------------------------------------------------------------------- export
+@dataclass(frozen=True)
+class EmbeddingLookup:
+    """What torch's embedding does to the gradient of one lookup beyond a plain gather."""
+
+    padding_idx: int  # -1: none; else this row gets no gradient from this lookup
+    scale_grad_by_freq: bool  # each row's gradient divided by how often the batch looks it up
 
 
 def _dynamic_axes(entries):
@@ -67,33 +361,67 @@ def _strip_wrapper_prefix(model: onnx.ModelProto) -> None:
         graph_input.name = renames.get(graph_input.name, graph_input.name)
 
 
-def export_to_onnx(model, loss_fn, forward_names, inputs, desc_inputs, desc_outputs, opset: int) -> onnx.ModelProto:
-    """Export ``model`` (+ ``loss_fn``) in training mode, names and dynamic axes from model_desc.
+def _resolve_embedding_markers(model: onnx.ModelProto) -> dict:
+    """Remove the embedding markers ``symbolics`` put on gather indices; return {Gather node name: EmbeddingLookup}."""
+    markers = {node.output[0]: node for node in model.graph.node if node.domain == symbolics.DOMAIN}
+    lookups = {}
+    for node in model.graph.node:
+        if node.op_type == "Gather" and node.input[1] in markers:
+            marker = markers[node.input[1]]
+            attributes = {attribute.name: attribute.i for attribute in marker.attribute}
+            lookups[node.name] = EmbeddingLookup(attributes["padding_idx"], bool(attributes["scale_grad_by_freq"]))
+            node.input[1] = marker.input[0]
+    kept = [node for node in model.graph.node if node.domain != symbolics.DOMAIN]
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+    domains = [entry for entry in model.opset_import if entry.domain != symbolics.DOMAIN]
+    del model.opset_import[:]
+    model.opset_import.extend(domains)
+    return lookups
 
-    ``desc_inputs``/``desc_outputs`` are (name, shape) pairs; string dims become dynamic.
-    The global torch RNG is left as it was (tracing runs dropout once).
+
+def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outputs, opset: int):
+    """Export ``model`` (+ ``loss_fn``) in the modes it trains in, names and dynamic axes from model_desc.
+
+    ``model`` comes from :func:`module_for_export`; ``desc_inputs``/``desc_outputs`` are
+    (name, shape) pairs, string dims become dynamic. The global torch RNG is left as it
+    was (tracing runs dropout once). Returns the ModelProto, {Gather node: EmbeddingLookup}
+    and the locations where the trace froze a value of this batch (see ``_FROZEN_VALUE``).
     """
-    symbolics.register()
-    wrapper = _ModelWithLoss(model, loss_fn, forward_names)
+    wrapper = with_loss(model, loss_fn, forward_names)
     buffer = io.BytesIO()
     devices = [inputs[0].device.index or 0] if inputs and inputs[0].is_cuda else []
     try:
-        with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with torch.random.fork_rng(devices=devices), symbolics.exporting(), _ExporterWarnings() as heard:
             torch.onnx.export(
                 wrapper,
                 tuple(inputs),
                 buffer,
                 dynamo=False,
-                training=TrainingMode.TRAINING,
+                training=TrainingMode.PRESERVE,
                 do_constant_folding=False,
                 opset_version=opset,
                 input_names=[name for name, _ in desc_inputs],
                 output_names=[name for name, _ in desc_outputs],
                 dynamic_axes=_dynamic_axes(list(desc_inputs) + list(desc_outputs)),
+                custom_opsets={symbolics.DOMAIN: 1},
             )
+    except ExportError:
+        raise
     except Exception as error:
         raise ExportError(f"torch.onnx.export of {type(model).__name__} failed: {error}") from error
     exported = onnx.load_from_string(buffer.getvalue())
     _strip_wrapper_prefix(exported)
-    return exported
+    lookups = _resolve_embedding_markers(exported)
+    return exported, lookups, heard.frozen_values
+
+
+def refuse_data_dependent_trace(first: onnx.ModelProto, again: onnx.ModelProto, frozen_values) -> None:
+    """``again``, exported from a batch of the same shapes but other values, must equal ``first``."""
+    if first.graph.SerializeToString() != again.graph.SerializeToString():
+        raise ExportError(
+            "the exported graph depends on the values of the batch it was traced with (a batch of other values "
+            "gives another graph), so it would train every later batch as if it were the first. Values frozen at:\n- "
+            + "\n- ".join(frozen_values)
+            + "\nKeep these computations in tensor ops, or train this model with torch."
+        )

@@ -43,6 +43,7 @@ OPS_WITHOUT_GRADIENT = frozenset(
 
 
 LOSS_SCALE_INPUT = "orttrainer.loss_scale"
+DROPOUT_SCALE_INPUT = "orttrainer.dropout_scale"  # float scalar times every dropout ratio: 1 trains, 0 turns dropout off
 _SCALED_LOSS = "orttrainer.scaled_loss"
 
 # Kept in float32 under mixed precision: losses, normalisation statistics, softmax, exp/log
@@ -78,6 +79,8 @@ class EmbeddingGradient:
     lookup_input: str
     rows_gradient: str
     indices_output: str
+    padding_idx: int = -1  # this row gets no gradient from this lookup (-1: none)
+    scale_grad_by_freq: bool = False  # divide each row's gradient by its count in the batch
 
 
 @dataclass
@@ -184,29 +187,58 @@ def _remove_unused(graph: onnx.GraphProto) -> None:
         graph.initializer.remove(initializer)
 
 
-def _constant(graph: onnx.GraphProto, name: str, value: np.ndarray) -> str:
-    graph.initializer.append(numpy_helper.from_array(value, name))
-    return name
+def _dropout_ratio_times_input(model: onnx.ModelProto, scalable: bool = True) -> None:
+    """Give every Dropout training_mode=True and, if ``scalable``, the ratio ``ratio * DROPOUT_SCALE_INPUT``.
 
-
-def _force_dropout_training_mode(model: onnx.ModelProto) -> None:
-    """Give every Dropout an explicit training_mode=True input.
-
-    Attention dropout inside scaled-dot-product attention is exported without one;
-    ONNX Runtime then skips it, and its gradient comes out wrong (DESIGN.md).
+    Training binds 1; the first-step check against torch binds 0, so that both sides
+    compute without dropout from the same graph (ONNX Runtime's DropoutGrad ignores
+    training_mode but honours the ratio). Float16 graphs keep constant ratios: ONNX
+    Runtime 1.19's float16 DropoutGrad fails to load with a computed one. The explicit training_mode matters for attention
+    dropout inside scaled-dot-product attention, exported without one: ONNX Runtime then
+    skips the dropout and its gradient comes out wrong (docs/stack_facts.md).
     """
+    dropouts = [node for node in model.graph.node if node.op_type == "Dropout"]
+    if not dropouts:
+        return
     graph = model.graph
-    true_name = None
-    for node in graph.node:
-        if node.op_type == "Dropout" and (len(node.input) < 3 or not node.input[2]):
-            if true_name is None:
-                true_name = _constant(graph, "orttrainer.dropout_training_mode", np.array(True))
-            while len(node.input) < 2:
-                node.input.append("")
-            if len(node.input) == 2:
-                node.input.append(true_name)
-            else:
-                node.input[2] = true_name
+    if scalable:
+        graph.input.append(helper.make_tensor_value_info(DROPOUT_SCALE_INPUT, onnx.TensorProto.FLOAT, []))
+    graph.initializer.extend([numpy_helper.from_array(np.array(True), "orttrainer.dropout_training_mode"),
+                              numpy_helper.from_array(np.array(0.5, np.float32), "orttrainer.dropout_default_ratio")])  # fmt: skip
+    for node in dropouts:
+        while len(node.input) < 3:
+            node.input.append("")
+        ratio = node.input[1] or "orttrainer.dropout_default_ratio"
+        node.input[1], node.input[2] = ratio, "orttrainer.dropout_training_mode"
+        if not scalable:
+            continue
+        scale, scaled = f"{node.name}.dropout_scale", f"{node.name}.scaled_ratio"
+        graph.node.extend([
+            helper.make_node("CastLike", [DROPOUT_SCALE_INPUT, ratio], [scale], name=scale),
+            helper.make_node("Mul", [ratio, scale], [scaled], name=scaled),
+        ])  # fmt: skip
+        node.input[1] = scaled
+    _sort_topologically(graph)
+
+
+def _sort_topologically(graph: onnx.GraphProto) -> None:
+    """Order nodes so that each comes after the producers of its inputs (appended nodes may not)."""
+    produced_by = {output: node for node in graph.node for output in node.output}
+    placed, ordered = set(), []
+
+    def place(node):
+        if id(node) in placed:
+            return
+        placed.add(id(node))
+        for name in _node_inputs(node):
+            if name in produced_by:
+                place(produced_by[name])
+        ordered.append(node)
+
+    for node in list(graph.node):
+        place(node)
+    del graph.node[:]
+    graph.node.extend(ordered)
 
 
 def _add_outputs_needed_by_gradients(model: onnx.ModelProto) -> None:
@@ -235,6 +267,7 @@ class RunningStatistics:
     var_output: str
     count_output: str
     momentum: float  # ONNX convention: new = momentum * old + (1 - momentum) * batch
+    node_name: str = ""
 
 
 def _expose_running_statistics(model: onnx.ModelProto, input_names) -> list:
@@ -256,7 +289,7 @@ def _expose_running_statistics(model: onnx.ModelProto, input_names) -> list:
                 helper.make_node("Div", [f"{count}.total", f"{count}.channels"], [count], name=count),
             ]
         )
-        found.append(RunningStatistics(running_mean, running_var, node.output[1], node.output[2], count, momentum))
+        found.append(RunningStatistics(running_mean, running_var, node.output[1], node.output[2], count, momentum, node.name))
     graph.output.extend(
         helper.make_empty_tensor_value_info(name)
         for stats in found
@@ -280,13 +313,23 @@ def _node_inputs(node: onnx.NodeProto) -> list:
     return names
 
 
-def _split_embedding_lookups(model: onnx.ModelProto, trainable) -> list:
-    """Point every Gather(axis 0) of a trainable weight at a gradient-free copy of its input."""
+def _split_embedding_lookups(model: onnx.ModelProto, trainable, marked) -> list:
+    """Point every Gather(axis 0) of a trainable weight at a gradient-free copy of its input.
+
+    ``marked`` ({Gather node name: export.EmbeddingLookup}) are torch embeddings with
+    padding_idx or scale_grad_by_freq; their gradient rule travels with the lookup.
+    """
     graph = model.graph
     inputs = {graph_input.name: graph_input for graph_input in graph.input}
     found, lookups = [], {}
     for node in list(graph.node):
-        if node.op_type != "Gather" or rewrites.node_attribute(node, "axis", 0) != 0 or node.input[0] not in trainable:
+        is_lookup = node.op_type == "Gather" and rewrites.node_attribute(node, "axis", 0) == 0
+        if not is_lookup or node.input[0] not in trainable:
+            if node.name in marked and node.input[0] not in inputs:
+                raise GradientBuildError(
+                    f"{describe_node(node)} is an embedding with padding_idx or scale_grad_by_freq over a computed "
+                    "weight; orttrainer applies those only to an embedding that reads its weight directly"
+                )
             continue
         weight = node.input[0]
         if weight not in lookups:
@@ -297,7 +340,9 @@ def _split_embedding_lookups(model: onnx.ModelProto, trainable) -> list:
         node.input[0] = lookups[weight]
         indices = f"{node.name}.indices"
         graph.node.append(helper.make_node("Identity", [node.input[1]], [indices], name=indices))
-        found.append(EmbeddingGradient(weight, lookups[weight], f"{node.output[0]}_grad", indices))
+        rule = marked.get(node.name)
+        found.append(EmbeddingGradient(weight, lookups[weight], f"{node.output[0]}_grad", indices,
+                                       *((rule.padding_idx, rule.scale_grad_by_freq) if rule else ())))
     return found
 
 
@@ -461,7 +506,7 @@ def _quiet_session_options() -> onnxruntime.SessionOptions:
 
 
 def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name: str, output_names,
-                          mixed_precision: bool = False, fast_cpu_kernels: bool = False) -> TrainingGraphs:
+                          mixed_precision: bool = False, fast_cpu_kernels: bool = False, lookups=None) -> TrainingGraphs:
     """Build the training graph (outputs, running stats, gradients) and the eval graph.
 
     ``forward`` is the forward+loss graph with weights as initializers; ``trainable``
@@ -469,6 +514,7 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     With ``mixed_precision`` both graphs compute in float16, and the gradients are those
     of the loss times the ``LOSS_SCALE_INPUT`` input. ``fast_cpu_kernels`` replaces kernels
     measured slow on the CPU by fast equivalents (``cpu_kernels``; float32 graphs only).
+    ``lookups`` ({Gather node name: export.EmbeddingLookup}) carry torch's embedding gradient rules.
     """
     model = _with_ir_version(copy.deepcopy(forward))
     name_unnamed_nodes(model.graph)
@@ -483,9 +529,8 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     if fast_cpu_kernels and not mixed_precision:
         cpu_kernels.pool_before_relu(model)
     input_names = {graph_input.name for graph_input in model.graph.input}
-    _force_dropout_training_mode(model)
     running_statistics = _expose_running_statistics(model, input_names)
-    embeddings = _split_embedding_lookups(model, set(trainable))
+    embeddings = _split_embedding_lookups(model, set(trainable), lookups or {})
     graph_trainable = weights_reaching_loss(model, trainable, loss_name)  # a weight only looked up no longer does
     rows = [embedding.rows_gradient[: -len("_grad")] for embedding in embeddings]
     model.graph.output.extend(helper.make_empty_tensor_value_info(embedding.indices_output) for embedding in embeddings)
@@ -494,6 +539,7 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
         kept = [loss_name] + [o.name for o in model.graph.output if o.name not in output_names]
         model = to_mixed_precision(model, kept)
         gradient_of = _scale_loss(model, loss_name)
+    _dropout_ratio_times_input(model, scalable=not mixed_precision)
     options = _quiet_session_options()
     optimized = onnx.load_from_string(get_optimized_model(model.SerializeToString(), set(graph_trainable), options))
     _add_outputs_needed_by_gradients(optimized)
@@ -524,3 +570,19 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
         by_name[name] if name in by_name else helper.make_empty_tensor_value_info(name) for name in ordered
     )
     return TrainingGraphs(_with_ir_version(train_model), eval_model, gradient_outputs, running_statistics, embeddings)
+
+
+def where_in_graph(model: onnx.ModelProto, names) -> dict:
+    """{name: the node that produces it (an output) or first reads it (a weight), with its torch module}."""
+    producers = {output: node for node in model.graph.node for output in node.output}
+    readers = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers.setdefault(name, node)
+    found = {}
+    for name in names:
+        if name in producers:
+            found[name] = f"from {describe_node(producers[name])}"
+        elif name in readers:
+            found[name] = f"read by {describe_node(readers[name])}"
+    return found

@@ -17,6 +17,7 @@ from .optim import lr_scheduler
 
 MIN_OPSET = 12
 MAX_OPSET = 20  # the TorchScript exporter's highest opset in torch 2.13
+CHECK_MODES = ("error", "warn", "off")  # debug.check_against_torch
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,8 @@ _SCHEMA = {
     "debug": {
         "deterministic_compute": _Option(bool, False),
         "check_model_export": _Option(bool, False),
+        # orttrainer's own: compare the first step of every graph with torch autograd (verify.py)
+        "check_against_torch": _Option(str, "error", check=lambda value: None if value in CHECK_MODES else f"must be one of {list(CHECK_MODES)}, got {value!r}"),
         "graph_save_paths": {
             "model_after_graph_transforms_path": _Option(str, ""),
             "model_with_gradient_graph_path": _Option(str, ""),

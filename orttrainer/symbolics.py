@@ -6,6 +6,8 @@ written with ops that onnxruntime-training can differentiate, and matches torch'
 and gradient (tests/test_rewrites.py).
 """
 
+import contextlib
+
 import torch
 from torch.onnx import symbolic_helper
 
@@ -130,7 +132,26 @@ def _unary(onnx_op):
     return symbolic
 
 
+DOMAIN = "orttrainer"  # custom-domain marker nodes export.py removes right after export
+
+
+@symbolic_helper.parse_args("v", "v", "i", "b", "v")
+def embedding(g, weight, indices, padding_idx, scale_grad_by_freq, sparse):
+    """A Gather; with padding_idx or scale_grad_by_freq, whose indices pass through a marker node.
+
+    torch's own symbolic drops padding_idx (the padding row would train) and refuses
+    scale_grad_by_freq. The marker carries both to export.py, which removes it and tells
+    the trainer, which applies them to this lookup's gradient (graph.EmbeddingGradient).
+    """
+    if padding_idx < 0 and not scale_grad_by_freq:
+        return g.op("Gather", weight, indices)
+    marked = g.op(f"{DOMAIN}::EmbeddingIndices", indices, padding_idx_i=padding_idx, scale_grad_by_freq_i=int(scale_grad_by_freq))
+    marked.setType(indices.type())
+    return g.op("Gather", weight, marked)
+
+
 _SYMBOLICS = {
+    "embedding": embedding,
     "sinh": _unary("Sinh"),
     "cosh": _unary("Cosh"),
     "asinh": _unary("Asinh"),
@@ -145,13 +166,15 @@ _SYMBOLICS = {
     "hinge_embedding_loss": hinge_embedding_loss,
     "bilinear": bilinear,
 }
-_registered = False
 
 
-def register():
-    """Register the symbolics with torch's TorchScript exporter (idempotent)."""
-    global _registered
-    if not _registered:
-        for name, function in _SYMBOLICS.items():
-            torch.onnx.register_custom_op_symbolic(f"aten::{name}", function, MIN_OPSET)
-        _registered = True
+@contextlib.contextmanager
+def exporting():
+    """orttrainer's symbolics registered with torch's TorchScript exporter for one export, then removed."""
+    for name, function in _SYMBOLICS.items():
+        torch.onnx.register_custom_op_symbolic(f"aten::{name}", function, MIN_OPSET)
+    try:
+        yield
+    finally:
+        for name in _SYMBOLICS:
+            torch.onnx.unregister_custom_op_symbolic(f"aten::{name}", MIN_OPSET)

@@ -20,7 +20,7 @@ import onnxruntime
 import torch
 from onnx import numpy_helper
 
-from . import amp, checkpoint, distributed, export, graph, session
+from . import amp, checkpoint, distributed, export, graph, session, verify
 from .model_desc import LABEL_NAME, _ORTTrainerModelDesc, forward_input_names, infer_model_desc
 from .optim import _update
 from .optim.config import _OptimizerConfig
@@ -95,11 +95,14 @@ class _BatchNormStatistics:
     """
 
     def __init__(self, stats, weights, bound_session):
+        self.names = (stats.mean_input, stats.var_input)
         self.mean = weights[stats.mean_input]
         self.var = weights[stats.var_input]
         self.momentum = stats.momentum
+        self.module = graph.module_path(stats.node_name)
         self.new_mean = torch.empty_like(self.mean)
         self.new_var = torch.empty_like(self.var)
+        self.old_mean = torch.empty_like(self.mean)
         self.old_var = torch.empty_like(self.var)
         self.count = torch.empty((), dtype=torch.int64, device=self.var.device)
         bound_session.bind_output(stats.mean_output, self.new_mean)
@@ -107,11 +110,31 @@ class _BatchNormStatistics:
         bound_session.bind_output(stats.count_output, self.count)
 
     def save_old(self):
+        self.old_mean.copy_(self.mean)
         self.old_var.copy_(self.var)
+
+    def restore_old(self):
+        """Undo the run: ONNX Runtime wrote the new statistics into the inputs in place."""
+        self.mean.copy_(self.old_mean)
+        self.var.copy_(self.old_var)
 
     def update(self):
         self.mean.copy_(self.new_mean)
         self.var.copy_(self.new_var + (self.new_var - self.momentum * self.old_var) / (self.count - 1))
+
+
+def _check_values_per_channel(batch_norms) -> None:
+    """torch refuses training-mode batch norm over one value per channel (its variance is undefined);
+    so does the trainer, after undoing what the run did to the running statistics."""
+    if not batch_norms or int(torch.stack([bn.count for bn in batch_norms]).min()) > 1:
+        return
+    for batch_norm in batch_norms:
+        batch_norm.restore_old()
+    modules = [f"'{bn.module}'" for bn in batch_norms if int(bn.count) <= 1]
+    raise ValueError(
+        f"Expected more than 1 value per channel when training: batch norm {', '.join(modules)} got 1 value per channel "
+        "for this batch (e.g. a batch of 1 into BatchNorm1d); torch raises the same error. Drop or pad such batches."
+    )
 
 
 def _is_floating(elem_type: int) -> bool:
@@ -127,7 +150,7 @@ class ORTTrainer:
 
     def __init__(self, model, model_desc, optim_config, loss_fn=None, options=None):
         _check_constructor_arguments(model, model_desc, optim_config, loss_fn, options)
-        self.options = options if options is not None else ORTTrainerOptions()
+        self.options = _own_copy(options) if options is not None else ORTTrainerOptions()  # the user's is never changed
         _check_supported(self.options)
         self.model_desc = _ORTTrainerModelDesc(model_desc) if model_desc is not None else None
         self.optim_config = optim_config
@@ -142,12 +165,14 @@ class ORTTrainer:
         self._load_state_dict = None
         self._seed = torch.initial_seed() % (1 << 63)
         self._data_parallel = None
+        self._reference_module = None  # (export copy, forward names) until the first train_step checked against torch
+        self._frozen = None  # _FrozenValues when the trace froze values of the first batch
         if self._world.is_distributed:
             self._start_data_parallel()
         if self.options.mixed_precision.enabled and self.options.mixed_precision.loss_scaler is None:
             self.options.mixed_precision.loss_scaler = amp.DynamicLossScaler()
         if self._torch_model is None:
-            self._onnx_model = model
+            self._onnx_model = copy.deepcopy(model)
             self._initialize_from_onnx()
 
     def _device_id(self, options):
@@ -228,7 +253,7 @@ class ORTTrainer:
     # --------------------------------------------------------- initialization
     def _initialize_from_torch(self, input_names, inputs):
         """Export the torch model with this first batch and build the sessions."""
-        module = self._module_for_export()
+        module = export.module_for_export(self._torch_model)
         desc = self.model_desc
         label_count = 1 if self.loss_fn is not None else 0
         forward_names = input_names[: len(input_names) - label_count]
@@ -251,58 +276,77 @@ class ORTTrainer:
                 + f" returns {len(outputs)}"
             )
         loss = outputs[loss_index]
+        if self.loss_fn is None and desc is None and (loss.dim() != 0 or not loss.is_floating_point()):
+            raise ValueError(
+                f"no loss_fn was given, so the model's first output is taken as the loss, but it has shape {list(loss.shape)} "
+                f"dtype {loss.dtype}: pass loss_fn=(output, label) -> scalar loss (e.g. torch.nn.functional.cross_entropy) "
+                "and the label as the batch's last input, or return the scalar loss first from forward"
+            )
         if loss.dim() != 0 or not loss.is_floating_point():
             raise ValueError(
                 f"the loss output '{loss_output.name}' must be a floating-point scalar, got shape {list(loss.shape)} "
                 f"dtype {loss.dtype}; reduce it (e.g. .mean()) in the model or loss_fn"
             )
+        export.refuse_custom_backward(module, self.loss_fn, forward_names, cpu_inputs, loss_index)
         state = {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}  # export runs BN
-        onnx_model = export.export_to_onnx(
-            module,
+        export_arguments = (
             self.loss_fn,
             forward_names,
-            cpu_inputs,
             [(entry.name, entry.shape) for entry in self.model_desc.inputs],
             [(entry.name, entry.shape) for entry in self.model_desc.outputs],
             self.options._internal_use.onnx_opset_version,
         )
+        onnx_model, lookups, frozen_values = export.export_to_onnx(module, cpu_inputs, *export_arguments)
+        if frozen_values:  # held to these shapes; re-exported once from a batch of other values (train_step)
+            self._frozen = _FrozenValues(frozen_values, [list(t.shape) for t in cpu_inputs], cpu_inputs,
+                                         (module, export_arguments), onnx_model)  # fmt: skip
+        onnx_model = self._postprocess(onnx_model)
         initializers = {init.name for init in onnx_model.graph.initializer}
         frozen_names = set(self.options.utils.frozen_weights)
-        trainable = [
+        requires_grad = [
             name
             for name, parameter in module.named_parameters()
             if parameter.requires_grad and name in initializers and name not in frozen_names
         ]
+        if not requires_grad:
+            raise ValueError(
+                f"{type(module).__name__} has no parameter to train (none, all with requires_grad=False, or all in "
+                "options utils.frozen_weights); torch's optimizers refuse an empty parameter list too"
+            )
+        # a weight that reaches only other outputs gets no gradient in torch (grad None): it is not trained
+        trainable = graph.weights_reaching_loss(onnx_model, requires_grad, self.model_desc.loss_output.name)
         frozen = [name for name in state if name in initializers and name not in trainable]
-        for name, _ in module.named_buffers():
-            if name not in self.options.utils.frozen_weights:
-                self.options.utils.frozen_weights.append(name)
         weights = {name: state[name].to(self._device).contiguous() for name in trainable + frozen}
+        self._aliases = _aliases(module)
+        self._unexported_state = {name: tensor for name, tensor in state.items()
+                                  if name not in weights and name not in self._aliases}  # fmt: skip
         self._batch_counters = {
             f"{path}.num_batches_tracked": state[f"{path}.num_batches_tracked"]
             for path, layer in module.named_modules()
-            if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm) and layer.track_running_stats
+            if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm) and layer.track_running_stats and layer.training
         }
         self._onnx_model = onnx_model
-        self._build(onnx_model, weights, trainable)
+        self._build(onnx_model, weights, trainable, lookups)
+        if self.options.debug.check_against_torch != "off":
+            self._reference_module = (module, forward_names)  # the first train_step checks against it
         for index, tensor in enumerate(outputs):
             self.model_desc.add_type_to_output_description(index, tensor.dtype, getattr(self.model_desc.outputs[index], "dtype_amp", None))
         if self.options.debug.check_model_export:
             self._check_model_export(cpu_inputs, outputs)
 
-    def _module_for_export(self):
-        """A CPU copy of the user's module, so that the user's module is never touched."""
-        model = self._torch_model
-        for path, layer in model.named_modules():
-            if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm) and layer.track_running_stats and layer.momentum is None:
-                raise NotImplementedError(
-                    f"module '{path}' ({type(layer).__name__}) uses momentum=None (cumulative average); set a momentum"
-                )
-        try:
-            return copy.deepcopy(model).cpu()
-        except Exception as error:  # deepcopy of arbitrary user modules can fail in many ways
-            warnings.warn(f"could not deep-copy the model ({error}); exporting the original module, which is left unchanged")
-            return model
+    def _postprocess(self, onnx_model):
+        """``_internal_use.extra_postprocess``: the user's function on the exported graph, which it
+        may change in place or return changed (the first-step check compares the result with torch)."""
+        postprocess = self.options._internal_use.extra_postprocess
+        if postprocess is None:
+            return onnx_model
+        returned = postprocess(onnx_model)
+        if returned is not None and not isinstance(returned, onnx.ModelProto):
+            raise TypeError(
+                f"options _internal_use.extra_postprocess must change the onnx.ModelProto in place or return one, "
+                f"got {type(returned).__name__}"
+            )
+        return returned if returned is not None else onnx_model
 
     def _initialize_from_onnx(self):
         """An ONNX forward+loss model: float initializers that reach the loss are trained, unless
@@ -324,16 +368,18 @@ class ORTTrainer:
         candidates = [name for name in weights if name not in frozen_names and name not in buffers]
         trainable = graph.weights_reaching_loss(model, candidates, self.model_desc.loss_output.name)
         self._batch_counters = {}
+        self._aliases, self._unexported_state = {}, {}
         self._build(model, weights, trainable)
 
-    def _build(self, onnx_model, weights, trainable):
+    def _build(self, onnx_model, weights, trainable, lookups=None):
         """Gradient/eval graphs, sessions, bindings of weights and gradient buffers."""
         loss_name = self.model_desc.loss_output.name
         output_names = [entry.name for entry in self.model_desc.outputs]
         frozen = [name for name in weights if name not in trainable]
         mixed_precision = self.options.mixed_precision.enabled
         graphs = graph.build_training_graphs(
-            onnx_model, trainable, frozen, loss_name, output_names, mixed_precision, fast_cpu_kernels=self._device.type == "cpu"
+            onnx_model, trainable, frozen, loss_name, output_names, mixed_precision, fast_cpu_kernels=self._device.type == "cpu",
+            lookups=lookups,
         )
         self._save_debug_graphs(graphs)
         debug = self.options.debug
@@ -364,6 +410,10 @@ class ORTTrainer:
         if mixed_precision:
             self._loss_scale = torch.tensor(self.options.mixed_precision.loss_scaler.loss_scale, device=self._device)
             self._train_session.bind_input(graph.LOSS_SCALE_INPUT, self._loss_scale)
+        self._dropout_scale = torch.tensor(1.0, device=self._device)
+        if graph.DROPOUT_SCALE_INPUT in self._train_session.input_names:
+            self._train_session.bind_input(graph.DROPOUT_SCALE_INPUT, self._dropout_scale)
+        self._dropout_fixed = mixed_precision and any(node.op_type == "Dropout" for node in graphs.train.graph.node)
         self._embeddings = graphs.embedding_gradients
         for embedding in self._embeddings:
             self._train_session.bind_input(embedding.lookup_input, weights[embedding.weight])
@@ -401,7 +451,14 @@ class ORTTrainer:
             if embedding.weight not in self._gradient_outputs and embedding.weight not in cleared:
                 target.zero_()
                 cleared.add(embedding.weight)
-            target.index_add_(0, indices.reshape(-1), rows.reshape(indices.numel(), *target.shape[1:]).to(target.dtype))
+            indices = indices.reshape(-1)
+            rows = rows.reshape(indices.numel(), *target.shape[1:]).to(target.dtype)
+            per_row = (-1,) + (1,) * (rows.dim() - 1)
+            if embedding.scale_grad_by_freq:  # torch: each row's gradient divided by its count in this lookup
+                rows = rows / torch.bincount(indices, minlength=target.shape[0])[indices].view(per_row).to(rows.dtype)
+            if embedding.padding_idx >= 0:  # torch: the padding row gets nothing from this lookup
+                rows = rows.masked_fill((indices == embedding.padding_idx).view(per_row), 0.0)
+            target.index_add_(0, indices, rows)
 
     def _record_input_types(self, eval_model):
         """Input dtypes from the graph; outputs the graph computes in float16 get ``dtype_amp``."""
@@ -438,6 +495,8 @@ class ORTTrainer:
         if self._training_session is None:
             self._initialize_from_torch(input_names, inputs)
             input_names, inputs = self._gather_inputs(args, kwargs)  # now checked against the typed model_desc
+        if self._frozen is not None:
+            self._frozen.check_batch(self.model_desc.inputs, inputs)
         return inputs
 
     # ------------------------------------------------------------------ steps
@@ -460,6 +519,70 @@ class ORTTrainer:
         digest = hashlib.sha256(f"{self._seed}:{step}:{self._world.rank}".encode()).digest()
         return int.from_bytes(digest[:8], "little") >> 1
 
+    def _gradient_buffers_for(self, starts_window):
+        """Where a run writes gradients: the summed buffers at a window's start, a scratch set inside it."""
+        if starts_window:
+            return self._grads
+        if self._accumulation_scratch is None:
+            self._accumulation_scratch = {name: torch.empty_like(grad) for name, grad in self._grads.items()}
+            self._scratch_list = list(self._accumulation_scratch.values())
+        return self._accumulation_scratch
+
+    def _run_training_graph(self, inputs, gradient_buffers):
+        """Forward + backward of this batch, gradients into ``gradient_buffers``, BatchNorm statistics
+        updated; returns the model_desc outputs. A run that fails leaves the statistics as they were."""
+        self._bind_batch(self._train_session, inputs)
+        if self._gradients_bound_to is not gradient_buffers:
+            self._bind_gradients(gradient_buffers)
+        if self._loss_scale is not None:
+            self._loss_scale.fill_(self.options.mixed_precision.loss_scaler.loss_scale)
+        for batch_norm in self._batch_norms:
+            batch_norm.save_old()
+        try:
+            outputs = self._train_session.run()
+        except Exception:
+            for batch_norm in self._batch_norms:
+                batch_norm.restore_old()
+            raise
+        _check_values_per_channel(self._batch_norms)
+        outputs, embedding_outputs = outputs[: len(self.model_desc.outputs)], outputs[len(self.model_desc.outputs) :]
+        self._add_embedding_gradients(embedding_outputs)
+        for batch_norm in self._batch_norms:
+            batch_norm.update()
+        return outputs
+
+    def _check_against_torch(self, inputs):
+        """The built-in check (verify.py): this batch through the training graph and through the
+        module in torch autograd, both without dropout; nothing of the trainer's state changes."""
+        module, forward_names = self._reference_module
+        self._reference_module = None
+        if self._dropout_fixed:
+            warnings.warn("debug.check_against_torch skipped: a float16 (mixed precision) graph with dropout cannot turn it off")
+            return
+        bound_before = self._gradients_bound_to
+        gradients = {name: torch.empty_like(grad) for name, grad in self._grads.items()}
+        self._dropout_scale.fill_(0.0)
+        try:
+            outputs = self._run_training_graph(inputs, gradients)
+            buffers = {name: tensor.detach().cpu().clone()
+                       for bn in self._batch_norms for name, tensor in zip(bn.names, (bn.mean, bn.var))}  # fmt: skip
+        finally:
+            self._dropout_scale.fill_(1.0)
+            for batch_norm in self._batch_norms:
+                batch_norm.restore_old()
+            self._bind_gradients(bound_before)
+        if self._loss_scale is not None:  # mixed precision: gradients of loss * scale; an overflow is the scaler's to handle
+            if not all(bool(grad.isfinite().all()) for grad in gradients.values()):
+                gradients = {}
+            gradients = {name: grad.float() / self._loss_scale.item() for name, grad in gradients.items()}
+        output_names = [entry.name for entry in self.model_desc.outputs]
+        ort = verify.StepResult(dict(zip(output_names, outputs)), gradients, buffers)
+        reference = verify.torch_step(module, self.loss_fn, forward_names, inputs, self._weights, output_names,
+                                      self.model_desc.loss_output.name, list(gradients))  # fmt: skip
+        dtype = torch.float16 if self.options.mixed_precision.enabled else torch.float32
+        where = graph.where_in_graph(self._onnx_model, list(gradients) + output_names + list(buffers))
+        verify.report(verify.compare(ort, reference, dtype, where), self.options.debug.check_against_torch)
+
     def train_step(self, *args, **kwargs):
         """One forward/backward on this batch; an optimizer update every N-th call.
 
@@ -467,28 +590,14 @@ class ORTTrainer:
         """
         inputs = self._ensure_initialized(args, kwargs)
         requested = self._requested_outputs()
+        if self._reference_module is not None:
+            self._check_against_torch(inputs)
         info = self._train_step_info
         accumulation = self.options.batch.gradient_accumulation_steps
         starts_window = info.step % accumulation == 0
+        onnxruntime.set_seed(self._dropout_seed(info.step + 1))
+        outputs = self._run_training_graph(inputs, self._gradient_buffers_for(starts_window))
         info.step += 1
-        self._bind_batch(self._train_session, inputs)
-        if starts_window and self._gradients_bound_to is not self._grads:
-            self._bind_gradients(self._grads)
-        elif not starts_window and self._gradients_bound_to is self._grads:
-            if self._accumulation_scratch is None:
-                self._accumulation_scratch = {name: torch.empty_like(grad) for name, grad in self._grads.items()}
-                self._scratch_list = list(self._accumulation_scratch.values())
-            self._bind_gradients(self._accumulation_scratch)
-        onnxruntime.set_seed(self._dropout_seed(info.step))
-        if self._loss_scale is not None:
-            self._loss_scale.fill_(self.options.mixed_precision.loss_scaler.loss_scale)
-        for batch_norm in self._batch_norms:
-            batch_norm.save_old()
-        outputs = self._train_session.run()
-        outputs, embedding_outputs = outputs[: len(self.model_desc.outputs)], outputs[len(self.model_desc.outputs) :]
-        self._add_embedding_gradients(embedding_outputs)
-        for batch_norm in self._batch_norms:
-            batch_norm.update()
         for counter in self._batch_counters.values():
             counter += 1
         if self._data_parallel is not None and self._batch_norms:
@@ -547,9 +656,9 @@ class ORTTrainer:
 
     # ------------------------------------------------------------- state dict
     def _model_state(self):
-        """{name: CPU copy} of every weight and buffer, named like torch's state_dict()."""
-        tensors = dict(self._weights)
-        tensors.update(self._batch_counters)
+        """{name: CPU copy} of every weight and buffer, named like torch's state_dict() (tied
+        weights under their first name only)."""
+        tensors = {**self._weights, **self._batch_counters, **self._unexported_state}
         return {name: tensor.detach().cpu().clone() for name, tensor in tensors.items()}
 
     def state_dict(self, pytorch_format=False):
@@ -562,8 +671,8 @@ class ORTTrainer:
             )
             return self._load_state_dict.args[0] if self._load_state_dict is not None else {}
         model_state = self._model_state()
-        if pytorch_format:
-            return model_state
+        if pytorch_format:  # every name torch's state_dict() has: a tied weight under each of its names
+            return {**model_state, **{alias: model_state[name] for alias, name in self._aliases.items()}}
         info = self._train_step_info
         distributed = self.options.distributed
         return {
@@ -633,7 +742,8 @@ class ORTTrainer:
         for group in ("model", "optimizer", "train_step_info"):
             if group not in state:
                 warnings.warn(f"Missing key: {group} in state_dict")
-        model = state.get("model", {})
+        model = {precision: {name: value for name, value in values.items() if name not in self._aliases}  # tied: same tensor
+                 for precision, values in state.get("model", {}).items()}  # fmt: skip
         if strict and "model" in state:
             checkpoint.compare_keys(current["model"], model, "state_dict[model]")
         weights = {}
@@ -665,7 +775,7 @@ class ORTTrainer:
             for name, value in state.get("gradient_accumulation", {}).items()
         }
         # everything is checked: apply
-        live = {**self._weights, **self._batch_counters}
+        live = {**self._weights, **self._batch_counters, **self._unexported_state}
         for name, value in weights.items():
             live[name].copy_(value)
         if optimizer is not None:
@@ -743,6 +853,70 @@ class ORTTrainer:
         inference_model = copy.deepcopy(model)
         graph.set_inference_mode(inference_model)
         onnx.save(inference_model, path)
+
+
+class _FrozenValues:
+    """The trace froze values of the first batch (``export._FROZEN_VALUE``): a width, or data.
+
+    Batches must keep the first batch's shapes; the first batch with other values is
+    exported again, and the graph must come out the same, or the trace depended on data.
+    """
+
+    def __init__(self, locations, shapes, first_inputs, export_from, first_graph):
+        self.locations, self.shapes, self.first_inputs = locations, shapes, first_inputs
+        self.export_from = export_from  # (module copy, the other export arguments)
+        self.first_graph = _without_initializers(first_graph)
+
+    def _check_shapes(self, entries, inputs):
+        for entry, tensor, shape in zip(entries, inputs, self.shapes):
+            if list(tensor.shape) != shape:
+                raise ValueError(
+                    f"input '{entry.name}' has shape {list(tensor.shape)}, but this model's graph only takes the first "
+                    f"batch's shapes ({shape} for '{entry.name}'): its trace turned tensor values into Python numbers at\n- "
+                    + "\n- ".join(self.locations)
+                    + "\nKeep those computations in tensor ops (x.shape[0] rather than int(...)) to train other shapes."
+                )
+
+    def check_batch(self, entries, inputs):
+        """The first batch's shapes, and one export from the first batch of other values (then the
+        export copy of the module is let go)."""
+        self._check_shapes(entries, inputs)
+        cpu_inputs = [tensor.cpu() for tensor in inputs]
+        if self.export_from is None or all(torch.equal(first, now) for first, now in zip(self.first_inputs, cpu_inputs)):
+            return
+        module, arguments = self.export_from
+        again, _, _ = export.export_to_onnx(module, cpu_inputs, *arguments)
+        export.refuse_data_dependent_trace(self.first_graph, _without_initializers(again), self.locations)
+        self.export_from = self.first_inputs = self.first_graph = None
+
+
+def _without_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The graph's structure and constants, without the weights (they change as training goes on)."""
+    copied = onnx.ModelProto()
+    copied.CopyFrom(model)
+    del copied.graph.initializer[:]
+    return copied
+
+
+def _own_copy(options):
+    """A copy of the option tree the trainer may change; leaf objects (scheduler, loss scaler,
+    session options) are shared, lists copied."""
+    copied = copy.copy(options)
+    for key, value in vars(options).items():
+        if hasattr(value, "__dict__") and type(value).__module__ == options.__module__:  # a nested option group
+            setattr(copied, key, _own_copy(value))
+        elif isinstance(value, (list, dict)):
+            setattr(copied, key, copy.copy(value))
+    return copied
+
+
+def _aliases(module: torch.nn.Module) -> dict:
+    """{alias: first name} of tensors the module's state_dict lists under several names (tied weights)."""
+    first, aliases = {}, {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        aliases.update({name: first[id(tensor)]} if id(tensor) in first else {})
+        first.setdefault(id(tensor), name)
+    return aliases
 
 
 def _flat_buffers(like: dict):

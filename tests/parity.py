@@ -15,10 +15,10 @@ def cpu_options(extra=None):
 
 
 def assert_close_state(trainer, reference: torch.nn.Module, atol=1e-5, rtol=1e-5, step=None):
-    """Every parameter and buffer the trainer holds equals the torch module's."""
+    """The trainer's state_dict has exactly the torch module's keys, every value equal."""
     trained = trainer.state_dict(pytorch_format=True)
     expected = reference.state_dict()
-    assert set(trained) <= set(expected), f"unexpected names {set(trained) - set(expected)}"
+    assert set(trained) == set(expected), f"missing {set(expected) - set(trained)}, unexpected {set(trained) - set(expected)}"
     for name, tensor in trained.items():
         torch.testing.assert_close(
             tensor, expected[name], atol=atol, rtol=rtol, msg=lambda m: f"step {step}, '{name}': {m}"

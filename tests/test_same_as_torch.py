@@ -1,0 +1,348 @@
+"""Models from ordinary PyTorch code train exactly as torch trains them, or are refused with a
+clear error before training: never silently different. Each case goes through the public API."""
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from models import CNN, MLP, cnn_batch, mlp_batch
+from parity import assert_close_state, cpu_options, run_parity
+
+from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+from orttrainer.export import ExportError
+from orttrainer.verify import TorchMismatchError
+
+
+def sgd(parameters):
+    return torch.optim.SGD(parameters, lr=0.1)
+
+
+def batches(make, count=3, seed=0, **kwargs):
+    generator = torch.Generator().manual_seed(seed)
+    return [make(generator=generator, **kwargs) for _ in range(count)]
+
+
+# ------------------------------------------------------------------ embeddings
+class Tagger(nn.Module):
+    """Token embedding (padding row 0) -> Linear, optionally tied to the output projection."""
+
+    def __init__(self, padding_idx=0, scale_grad_by_freq=False, tied=False):
+        super().__init__()
+        self.tokens = nn.Embedding(20, 8, padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq)
+        self.hidden = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 20)
+        if tied:
+            self.out.weight = self.tokens.weight
+
+    def forward(self, tokens):
+        return self.out(torch.tanh(self.hidden(self.tokens(tokens))))
+
+
+def token_batches(count=3, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    result = []
+    for _ in range(count):
+        tokens = torch.randint(0, 20, (4, 6), generator=generator)
+        tokens[:, -2:] = 0  # padding, as a collator pads
+        result.append((tokens, torch.randint(0, 20, (4, 6), generator=generator)))
+    return result
+
+
+def tagger_loss(logits, labels):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"padding_idx": 0}, {"padding_idx": 0, "scale_grad_by_freq": True}, {"padding_idx": None, "scale_grad_by_freq": True},
+     {"padding_idx": 0, "tied": True}],
+    ids=["padding_idx", "padding_idx+scale_grad_by_freq", "scale_grad_by_freq", "padding_idx+tied_output"],
+)  # fmt: skip
+def test_embedding_gradient_rules_match_torch(kwargs):
+    torch.manual_seed(0)
+    model = Tagger(**kwargs)
+    trainer, reference = run_parity(model, token_batches(), optim.SGDConfig(lr=0.5), lambda p: torch.optim.SGD(p, lr=0.5),
+                                    loss_fn=tagger_loss)  # fmt: skip
+    if kwargs.get("padding_idx") == 0 and not kwargs.get("tied"):
+        torch.testing.assert_close(trainer.state_dict(pytorch_format=True)["tokens.weight"][0], model.tokens.weight[0])
+
+
+def test_embedding_max_norm_is_refused():
+    model = Tagger()
+    model.tokens.max_norm = 1.0
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=tagger_loss, options=cpu_options())
+    with pytest.raises(ExportError, match=r"module 'tokens' \(Embedding\) has max_norm=1.0"):
+        trainer.train_step(*token_batches(1)[0])
+
+
+# ------------------------------------------------------------------ tied weights, unused and absent parameters
+def test_tied_weights_appear_under_every_name_and_load_strictly():
+    torch.manual_seed(0)
+    model = Tagger(padding_idx=None, tied=True)
+    trainer, _ = run_parity(model, token_batches(), optim.SGDConfig(lr=0.5), lambda p: torch.optim.SGD(p, lr=0.5),
+                            loss_fn=tagger_loss)  # fmt: skip
+    state = trainer.state_dict(pytorch_format=True)
+    assert set(state) == set(model.state_dict())
+    fresh = Tagger(padding_idx=None, tied=True)
+    fresh.load_state_dict(state, strict=True)
+    assert fresh.out.weight is fresh.tokens.weight
+    torch.testing.assert_close(fresh.out.weight, state["out.weight"])
+
+
+class WithAuxiliaryHead(nn.Module):
+    """Returns (main, auxiliary); only main reaches the loss, as an eval-only head does."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(32, 16)
+        self.main = nn.Linear(16, 10)
+        self.auxiliary = nn.Linear(16, 3)
+        self.register_buffer("unused_table", torch.arange(5.0))  # in state_dict, never read by forward
+
+    def forward(self, x):
+        hidden = torch.relu(self.trunk(x))
+        return self.main(hidden), self.auxiliary(hidden)
+
+
+def test_parameter_reaching_only_another_output_stays_untouched_like_torch():
+    torch.manual_seed(0)
+    model = WithAuxiliaryHead()
+    initial = copy.deepcopy(model.auxiliary.state_dict())
+    trainer, reference = run_parity(model, batches(mlp_batch), optim.SGDConfig(lr=0.1), sgd,
+                                    loss_fn=lambda outputs, label: F.cross_entropy(outputs[0], label),
+                                    reference_loss=lambda module, batch: F.cross_entropy(module(batch[0])[0], batch[1]))  # fmt: skip
+    state = trainer.state_dict(pytorch_format=True)
+    for name, value in initial.items():
+        torch.testing.assert_close(state[f"auxiliary.{name}"], value, rtol=0, atol=0)
+    assert reference.auxiliary.weight.grad is None
+
+
+class NoParameters(nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+def test_model_without_parameters_is_refused_clearly():
+    trainer = ORTTrainer(NoParameters(), None, optim.SGDConfig(lr=0.1), loss_fn=F.mse_loss, options=cpu_options())
+    with pytest.raises(ValueError, match="NoParameters has no parameter to train"):
+        trainer.train_step(torch.randn(4, 3), torch.randn(4, 3))
+    assert trainer._training_session is None
+
+
+# ------------------------------------------------------------------ batch norm
+def test_batchnorm_over_one_value_per_channel_is_refused_and_changes_nothing():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
+    trainer.train_step(torch.randn(8, 6), torch.randint(0, 2, (8,)))
+    before = trainer.state_dict(pytorch_format=True)
+    with pytest.raises(ValueError, match=r"Expected more than 1 value per channel when training: batch norm '1'"):
+        trainer.train_step(torch.randn(1, 6), torch.randint(0, 2, (1,)))
+    after = trainer.state_dict(pytorch_format=True)
+    for name, value in before.items():
+        torch.testing.assert_close(after[name], value, rtol=0, atol=0, msg=name)
+    assert trainer._train_step_info.step == 1
+    assert torch.isfinite(trainer.eval_step(torch.randn(3, 6), torch.randint(0, 2, (3,)))[1]).all()
+
+
+# ------------------------------------------------------------------ what the graph cannot hold
+class DataDependentBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        if y.sum() > 0:
+            y = y * 2
+        return y
+
+
+class BakedInteger(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) * int(x.abs().sum())
+
+
+class MutatesBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        return self.fc(x)
+
+
+@pytest.mark.parametrize(
+    "module, message",
+    [(DataDependentBranch, r"test_same_as_torch.py:\d+: if y.sum\(\) > 0:: a Python `if` on a tensor"),
+     (MutatesBuffer, r"forward changes this buffer in place")],
+    ids=["python-if-on-tensor", "buffer-mutated-in-forward"],
+)  # fmt: skip
+def test_trace_that_would_differ_from_the_module_is_refused_naming_the_line(module, message):
+    trainer = ORTTrainer(module(), None, optim.SGDConfig(lr=0.1), loss_fn=F.mse_loss, options=cpu_options())
+    with pytest.raises(ExportError, match=message):
+        trainer.train_step(torch.randn(3, 4), torch.randn(3, 4))
+    assert trainer._training_session is None
+
+
+class WidthAsPythonNumber(nn.Module):
+    """Python numbers from a shape that never changes (the feature width), as many attention layers have."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        width = x.shape[-1]
+        first, second = self.fc(x).split(width // 2, dim=-1)  # split converts the traced width with int()
+        return torch.cat([first * second, second], dim=-1) / math.sqrt(width)
+
+
+def test_value_frozen_from_the_data_is_refused_at_the_first_batch_of_other_values():
+    trainer = ORTTrainer(BakedInteger(), None, optim.SGDConfig(lr=0.1), loss_fn=F.mse_loss, options=cpu_options())
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    trainer.train_step(x, y)
+    trainer.train_step(x, y)  # the same values: nothing to compare yet
+    with pytest.raises(ExportError, match=r"depends on the values of the batch(.|\n)*test_same_as_torch.py:\d+: return self.fc"):
+        trainer.train_step(torch.randn(3, 4), y)
+
+
+def test_value_frozen_from_a_fixed_width_trains_like_torch_at_the_first_batch_shape():
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(3, 4, generator=generator), torch.randn(3, 4, generator=generator)) for _ in range(3)]
+    trainer, _ = run_parity(WidthAsPythonNumber(), data, optim.SGDConfig(lr=0.1), sgd, loss_fn=F.mse_loss)
+    with pytest.raises(ValueError, match=r"input 'x' has shape \[5, 4\], but this model's graph only takes the first batch's"):
+        trainer.train_step(torch.randn(5, 4), torch.randn(5, 4))
+
+
+class ReverseGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -grad
+
+
+class StraightThroughRound(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class WithFunction(nn.Module):
+    def __init__(self, function):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.function = function
+
+    def forward(self, x):
+        return self.function.apply(self.fc(x))
+
+
+@pytest.mark.parametrize("function", [ReverseGradient, StraightThroughRound])
+def test_custom_autograd_function_is_refused_naming_the_function(function):
+    trainer = ORTTrainer(WithFunction(function), None, optim.SGDConfig(lr=0.1), loss_fn=F.mse_loss, options=cpu_options())
+    with pytest.raises(ExportError, match=rf"custom torch.autograd.Function {__name__}.{function.__name__}: its backward"):
+        trainer.train_step(torch.randn(3, 4), torch.randn(3, 4))
+
+
+class HookInForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        if y.requires_grad:
+            y.register_hook(lambda grad: grad * 0)
+        return y
+
+
+def hooked(kind):
+    model = MLP(inputs=4, classes=4)
+    if kind == "module":
+        model.fc1.register_full_backward_hook(lambda module, grad_in, grad_out: None)
+    elif kind == "parameter":
+        model.fc2.weight.register_hook(lambda grad: grad.clamp(-1, 1))
+    else:
+        model = HookInForward()
+    return model
+
+
+@pytest.mark.parametrize("kind, message", [("module", r"module 'fc1' \(Linear\) has a backward hook"),
+                                           ("parameter", r"parameter 'fc2.weight' has a gradient hook"),
+                                           ("tensor", r"tensor.register_hook at .*test_same_as_torch.py:\d+")])  # fmt: skip
+def test_gradient_hooks_are_refused(kind, message):
+    trainer = ORTTrainer(hooked(kind), None, optim.SGDConfig(lr=0.1), loss_fn=F.mse_loss, options=cpu_options())
+    with pytest.raises(ExportError, match=message):
+        trainer.train_step(torch.randn(3, 4), torch.randn(3, 4))
+
+
+def test_unrelated_exporter_warnings_reach_the_user():
+    """Warnings the trainer does not know are passed on, not silenced."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    model.register_forward_hook(lambda module, inputs, output: warnings.warn("from the user's hook") or output)
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.mse_loss, options=cpu_options())
+    with pytest.warns(UserWarning, match="from the user's hook"):
+        trainer.train_step(torch.randn(3, 4), torch.randn(3, 4))
+
+
+# ------------------------------------------------------------------ the built-in check
+def broken_relu_gradient(build):
+    """ReluGrad as dy * (x > 1): wrong for 0 < x <= 1."""
+    dy, x = build.node.input[:2]
+    positive = build.op("Greater", [x, build.op("CastLike", [build.const(1.0), x])])
+    build.op("Mul", [dy, build.op("CastLike", [positive, dy])], build.node.output[0])
+
+
+@pytest.mark.parametrize("mode", ["error", "warn", "off"])
+def test_builtin_check_catches_a_broken_gradient_kernel(monkeypatch, mode):
+    from orttrainer import cpu_kernels
+
+    monkeypatch.setitem(cpu_kernels.FAST_CPU_KERNELS, "ReluGrad", broken_relu_gradient)
+    torch.manual_seed(0)
+    options = ORTTrainerOptions({"device": {"id": "cpu"}, "debug": {"check_against_torch": mode}})
+    trainer = ORTTrainer(MLP(), None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=options)
+    x, y = mlp_batch()
+    expected = r"gradient of 'fc1.weight' \(read by Gemm \(node '/model/fc1/Gemm', module 'fc1'\)\): largest absolute"
+    if mode == "error":
+        with pytest.raises(TorchMismatchError, match=expected):
+            trainer.train_step(x, y)
+        assert trainer._train_step_info.step == 0
+    elif mode == "warn":
+        with pytest.warns(UserWarning, match=expected):
+            trainer.train_step(x, y)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            trainer.train_step(x, y)
+
+
+def test_builtin_check_runs_once_per_graph_and_leaves_training_unchanged(monkeypatch):
+    """With the check on (the default) a run equals torch step by step; the check ran exactly once."""
+    from orttrainer import verify
+
+    calls = []
+    real = verify.torch_step
+    monkeypatch.setattr(verify, "torch_step", lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
+    torch.manual_seed(0)
+    batches_ = batches(cnn_batch, count=3)
+    run_parity(CNN(), batches_, optim.SGDConfig(lr=0.1), sgd, loss_fn=F.cross_entropy)
+    assert calls == [1]
