@@ -157,7 +157,11 @@ def _worker(connection, workload_index, contender, warmup, quick):
     """Build one contender, warm it up, then time rounds on request; report peak RSS last."""
     import warnings
 
-    warnings.simplefilter("ignore")
+    # the contenders' import and export notices (TorchScript exporter deprecation, ONNX Runtime's
+    # training-API notices) would interleave with the timing table; orttrainer's own export still
+    # turns the warnings that matter into errors
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
     import onnxruntime
 
     onnxruntime.set_default_logger_severity(3)

@@ -404,7 +404,6 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
                 input_names=[name for name, _ in desc_inputs],
                 output_names=[name for name, _ in desc_outputs],
                 dynamic_axes=_dynamic_axes(list(desc_inputs) + list(desc_outputs)),
-                custom_opsets={symbolics.DOMAIN: 1},
             )
     except ExportError:
         raise

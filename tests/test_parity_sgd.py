@@ -138,7 +138,7 @@ def test_onnx_model_input(tmp_path):
     x, label = mlp_batch()
     path = tmp_path / "mlp.onnx"
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.filterwarnings("ignore", "You are using the legacy TorchScript-based ONNX export", DeprecationWarning)
         torch.onnx.export(
             model, (x, label), str(path), dynamo=False, training=torch.onnx.TrainingMode.TRAINING,
             do_constant_folding=False, input_names=["x", "label"], output_names=["loss", "logits"],

@@ -112,7 +112,9 @@ def test_parameter_reaching_only_another_output_stays_untouched_like_torch():
     torch.manual_seed(0)
     model = WithAuxiliaryHead()
     initial = copy.deepcopy(model.auxiliary.state_dict())
-    trainer, reference = run_parity(model, batches(mlp_batch), optim.SGDConfig(lr=0.1), sgd,
+    trainer, reference = run_parity(model, batches(mlp_batch), optim.AdamConfig(lr=1e-2, lambda_coef=0.1),
+                                    lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),  # decay skips grad-less weights
+                                    options=cpu_options({"utils": {"grad_norm_clip": False}}),
                                     loss_fn=lambda outputs, label: F.cross_entropy(outputs[0], label),
                                     reference_loss=lambda module, batch: F.cross_entropy(module(batch[0])[0], batch[1]))  # fmt: skip
     state = trainer.state_dict(pytorch_format=True)
