@@ -167,12 +167,38 @@ def compare_keys(expected, given, where: str, allow_unexpected: bool = False) ->
         raise RuntimeError("; ".join(problems))
 
 
+def check_not_mid_window(state: dict, where: str) -> None:
+    """Refuse a multi-rank state taken inside a gradient-accumulation window.
+
+    There each rank holds only its own un-reduced partial gradient sum (``gradient_accumulation``):
+    rank 0's alone is not the run's state, and how the ranks' sums make one depends on the loss.
+    """
+    if "gradient_accumulation" not in state:
+        return
+    options = state["trainer_options"]
+    if int(options["world_size"]) > 1:
+        raise CheckpointError(
+            f"{where}: step {int(state['train_step_info']['step'])} of rank {int(options['world_rank'])} "
+            f"(of {int(options['world_size'])}) is inside a gradient-accumulation window, where every rank holds "
+            "only its own un-reduced partial gradients; with several ranks, checkpoint only after a step that "
+            "completes a window (a multiple of batch.gradient_accumulation_steps)"
+        )
+
+
 def _check_same(values, what):
+    """``values`` (one per rank, in rank order) must be equal; returns rank 0's."""
     first = values[0]
-    for value in values[1:]:
+    for rank, value in enumerate(values[1:], start=1):
         if not np.array_equal(np.asarray(first), np.asarray(value)):
-            raise CheckpointError(f"Value mismatch across rank checkpoints for {what}")
+            raise CheckpointError(f"{what} differs between the checkpoints of rank 0 and rank {rank}")
     return first
+
+
+def _check_same_entries(states, group, keys=None):
+    """The entries ``keys`` of ``group`` (all of them by default) must be equal on every rank."""
+    entries = [state.get(group, {}) for state in states]
+    for key in sorted({key for entry in entries for key in entry}) if keys is None else keys:
+        _check_same([entry.get(key) for entry in entries], f"{group}/{key}")
 
 
 def aggregate_checkpoints(paths, pytorch_format=True):
@@ -181,8 +207,8 @@ def aggregate_checkpoints(paths, pytorch_format=True):
     Files are ordered by their stored ``world_rank``. A weight whose optimizer state only
     one rank holds (orttrainer's ZeRO) is taken from that rank; legacy flat shards (listed
     in ``partition_info``, held by every rank) are concatenated in rank order and reshaped
-    to ``original_dim``; everything else must agree across ranks. With ``pytorch_format``
-    only the flat {weight: tensor} dict is returned.
+    to ``original_dim``; everything else must agree across ranks (see ``merge_rank_states``).
+    With ``pytorch_format`` only the flat {weight: tensor} dict is returned.
     """
     states = [load(path) for path in paths]
     for path, state in zip(paths, states):
@@ -202,9 +228,17 @@ def aggregate_checkpoints(paths, pytorch_format=True):
 
 
 def merge_rank_states(states):
-    """One single-process state from the per-rank states of a ZeRO-1 run, in rank order."""
-    for key in ("mixed_precision", "world_size", "zero_stage", "optimizer_name"):
-        _check_same([state["trainer_options"][key] for state in states], f"trainer_options/{key}")
+    """One single-process state from the per-rank states of a ZeRO-1 run, in rank order.
+
+    What a single-process checkpoint holds survives: step counters and loss scaler (equal on
+    every rank), rank 0's dropout seed and user_dict. States from inside an accumulation
+    window are refused (``check_not_mid_window``).
+    """
+    for rank, state in enumerate(states):
+        check_not_mid_window(state, f"cannot merge the checkpoint of rank {rank}")
+    _check_same_entries(states, "trainer_options", ("mixed_precision", "world_size", "zero_stage", "optimizer_name"))
+    _check_same_entries(states, "train_step_info", ("step", "optimization_step"))
+    _check_same_entries(states, "loss_scaler")
     partitions = states[0].get("partition_info", {})
 
     def merge(name, key, values):
@@ -223,7 +257,7 @@ def merge_rank_states(states):
     first = states[0]["trainer_options"]
     merged = {
         "model": {"full_precision": weights},
-        "optimizer": optimizer,
+        **({"optimizer": optimizer} if any("optimizer" in state for state in states) else {}),
         "trainer_options": {
             "mixed_precision": bool(first["mixed_precision"]),
             "zero_stage": 0,
@@ -234,7 +268,7 @@ def merge_rank_states(states):
             "horizontal_parallel_size": 1,
         },
     }
-    for key in ("train_step_info", "user_dict"):
+    for key in ("train_step_info", "loss_scaler", "gradient_accumulation", "user_dict"):
         if key in states[0]:
             merged[key] = states[0][key]
     return merged

@@ -85,8 +85,32 @@ def gather_objects(world: World, value):
     return gathered
 
 
-def barrier() -> None:
-    dist.barrier()
+class RankWriteError(OSError):
+    """Writing a file failed on some rank(s); raised alike on every rank so that all stop together."""
+
+
+def _error_of(write):
+    """The exception ``write()`` raised, or None (also when there is nothing to write)."""
+    if write is None:
+        return None
+    try:
+        write()
+    except Exception as error:  # any failure: shared with the other ranks, then raised
+        return error
+    return None
+
+
+def write_together(world: World, write, what: str) -> None:
+    """Run this rank's ``write`` (None: it writes nothing), then raise on every rank if any rank's failed.
+
+    One collective shares the outcomes, so a failure ends every rank at once with its cause
+    instead of leaving the others waiting at their next collective until it times out.
+    """
+    error = _error_of(write)
+    causes = gather_objects(world, None if error is None else f"{type(error).__name__}: {error}")
+    failed = [f"rank {rank}: {cause}" for rank, cause in enumerate(causes) if cause is not None]
+    if failed:
+        raise RankWriteError(f"{what} failed on {'; '.join(failed)}") from error
 
 
 def owners(sizes: dict, world_size: int) -> dict:

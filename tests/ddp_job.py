@@ -21,8 +21,9 @@ def main():
     parser.add_argument("--accumulation", type=int, default=1)
     parser.add_argument("--zero", action="store_true")
     parser.add_argument("--clip", action="store_true")
-    parser.add_argument("--save-at", type=int, default=-1, help="save per-rank checkpoints after this many steps")
-    parser.add_argument("--checkpoint", help="path with {rank} for per-rank checkpoints")
+    parser.add_argument("--save-at", type=int, default=-1, help="save a checkpoint after this many steps")
+    parser.add_argument("--checkpoint", help="its path, with {rank} for per-rank (ZeRO) checkpoints")
+    parser.add_argument("--consolidate", action="store_true", help="ZeRO: save one merged checkpoint")
     parser.add_argument("--load", nargs="*", default=[])
     parser.add_argument("--crash-at", type=int, default=-1, help="rank 1 raises at this step")
     parser.add_argument("--out", required=True)
@@ -47,7 +48,7 @@ def main():
         tokens, labels = token_batch(batch=args.global_batch, generator=torch.Generator().manual_seed(step))
         trainer.train_step(tokens[rank * share : (rank + 1) * share], labels[rank * share : (rank + 1) * share])
         if step + 1 == args.save_at:
-            trainer.save_checkpoint(args.checkpoint)
+            trainer.save_checkpoint(args.checkpoint, consolidate=args.consolidate)
     state = trainer.state_dict()
     if rank == 0:
         np.savez(args.out, **{f"weight/{k}": v for k, v in state["model"]["full_precision"].items()})

@@ -287,3 +287,46 @@ def test_aggregate_zero_checkpoints_and_resume(tmp_path):
     assert_same_state(fresh.state_dict(), state)
     batch = cnn_batch(generator=torch.Generator().manual_seed(9))
     torch.testing.assert_close(fresh.train_step(*batch)[0], trainer.train_step(*batch)[0])
+
+
+def _zero_rank_states(state, world_size=2):
+    """``state`` split the way a ZeRO-1 run saves it: each weight's optimizer state on its owner rank only."""
+    owner = {name: index % world_size for index, name in enumerate(sorted(state["optimizer"]))}
+    shards = []
+    for rank in range(world_size):
+        shard = copy.deepcopy(state)
+        shard["trainer_options"].update(world_rank=rank, world_size=world_size, zero_stage=1, data_parallel_size=world_size)
+        shard["optimizer"] = {name: entry for name, entry in shard["optimizer"].items() if owner[name] == rank}
+        shard["partition_info"] = {name: {"original_dim": np.array(entry["Moment_1"].shape), "owner_rank": np.int64(owner[name])}
+                                   for name, entry in state["optimizer"].items()}  # fmt: skip
+        shards.append(shard)
+    return shards
+
+
+def test_merging_rank_states_keeps_what_one_process_saves_and_checks_agreement(tmp_path):
+    state = adam_trainer().state_dict()
+    state.update(loss_scaler={"loss_scale": 1024.0, "stable_steps": 3}, user_dict={"epoch": 2})
+    shards = _zero_rank_states(state)
+    shards[1]["train_step_info"]["dropout_seed"] += 1  # each rank draws its own seed: rank 0's is kept
+    paths = [tmp_path / f"rank{rank}.h5" for rank in (0, 1)]
+    for shard, path in zip(shards, paths):
+        checkpoint.save(shard, path)
+    assert_same_state(checkpoint.aggregate_checkpoints(paths, pytorch_format=False), state)
+
+    without_optimizer = [{key: value for key, value in shard.items() if key != "optimizer"} for shard in shards]
+    assert "optimizer" not in checkpoint.merge_rank_states(without_optimizer), "no optimizer saved: none merged"
+    mid_window = {**state, "gradient_accumulation": {"head.weight": np.ones(3, np.float32)}}
+    assert "gradient_accumulation" in checkpoint.merge_rank_states([mid_window]), "one process: kept"
+
+    for group, key, value, message in [
+        ("loss_scaler", "loss_scale", 512.0, "loss_scaler/loss_scale differs between the checkpoints of rank 0 and rank 1"),
+        ("train_step_info", "step", 4, "train_step_info/step differs between the checkpoints of rank 0 and rank 1"),
+    ]:
+        different = copy.deepcopy(shards)
+        different[1][group][key] = value
+        with pytest.raises(CheckpointError, match=message):
+            checkpoint.merge_rank_states(different)
+    partial = [{**shard, "gradient_accumulation": mid_window["gradient_accumulation"]} for shard in shards]
+    with pytest.raises(CheckpointError, match=r"cannot merge the checkpoint of rank 0: step 3 of rank 0 \(of 2\) is inside a "
+                                              "gradient-accumulation window"):
+        checkpoint.merge_rank_states(partial)

@@ -45,10 +45,36 @@ def test_two_ranks_with_batch_b_equal_one_process_with_batch_2b(tmp_path, zero):
 
 def test_zero_checkpoints_aggregate_and_resume_in_one_process(tmp_path):
     checkpoint = tmp_path / "ckpt.{rank}.h5"
-    run("--steps", 7, "--zero", "--save-at", 4, "--checkpoint", checkpoint, "--out", tmp_path / "two.npz", ranks=2)
+    flags = ["--steps", 7, "--zero", "--accumulation", 2]  # saved at the end of the second window
+    run(*flags, "--save-at", 4, "--checkpoint", checkpoint, "--out", tmp_path / "two.npz", ranks=2)
     parts = [str(checkpoint).format(rank=rank) for rank in (0, 1)]
-    run("--start", 4, "--steps", 7, "--load", *parts, "--out", tmp_path / "resumed.npz")
+    run(*flags, "--start", 4, "--load", *parts, "--out", tmp_path / "resumed.npz")
     assert_same_weights(tmp_path / "two.npz", tmp_path / "resumed.npz")
+
+
+@pytest.mark.parametrize("case", ["inside_window", "bad_directory", "rank_1_file_exists"])
+def test_a_failed_save_ends_every_rank_promptly_with_its_cause(tmp_path, case):
+    """Every rank raises the same cause within seconds, none waits for the collective timeout."""
+    if case == "inside_window":  # each rank refuses on its own, before anything is written
+        path, flags = tmp_path / "ckpt.h5", ["--accumulation", 2, "--steps", 2, "--save-at", 1]
+        causes = [f"orttrainer.checkpoint.CheckpointError: cannot save checkpoint {path}: step 1 of rank {rank} (of 2) is inside a "
+                  "gradient-accumulation window" for rank in (0, 1)]  # fmt: skip
+    elif case == "bad_directory":  # rank 0 writes the merged checkpoint
+        path, flags = tmp_path / "missing" / "ckpt.h5", ["--zero", "--consolidate", "--steps", 1, "--save-at", 1]
+        causes = [f"orttrainer.distributed.RankWriteError: saving checkpoint {path} at step 1 failed on rank 0: FileNotFoundError: "
+                  "[Errno 2] No such file or directory"] * 2  # fmt: skip
+    else:  # every rank writes its own file: rank 0 succeeds, rank 1 cannot
+        path, flags = tmp_path / "ckpt.{rank}.h5", ["--zero", "--steps", 1, "--save-at", 1]
+        (tmp_path / "ckpt.1.h5").write_text("an older file")
+        causes = [f"orttrainer.distributed.RankWriteError: saving checkpoint {path} at step 1 failed on rank 1: FileExistsError: "
+                  f"{tmp_path / 'ckpt.1.h5'} exists; pass overwrite=True"] * 2  # fmt: skip
+    start = time.monotonic()
+    result = run(*flags, "--checkpoint", path, "--out", tmp_path / "x.npz", ranks=2, check=False, timeout=240)
+    assert result.returncode != 0
+    for rank, cause in enumerate(causes):
+        assert f"[rank{rank}]: {cause}" in result.stderr, result.stderr[-4000:]  # torch prefixes each rank's traceback
+    assert time.monotonic() - start < 60
+    assert not (tmp_path / "x.npz").exists()
 
 
 def test_a_crashing_rank_ends_the_job_in_bounded_time(tmp_path):
