@@ -47,12 +47,13 @@ DROPOUT_SCALE_INPUT = "orttrainer.dropout_scale"  # float scalar times every dro
 _SCALED_LOSS = "orttrainer.scaled_loss"
 
 # Kept in float32 under mixed precision: losses, normalisation statistics, softmax, exp/log
-# and reductions (torch autocast's float32 list), besides the converter's own defaults; and
-# Slice, whose gradient has no float16 CPU kernel in ONNX Runtime 1.19.
+# and reductions (torch autocast's float32 list), besides the converter's own defaults;
+# Slice, whose gradient has no float16 CPU kernel in ONNX Runtime 1.19; and MaxPool, whose
+# float16 training graph crashes ONNX Runtime 1.19's session creation (segmentation fault).
 _FLOAT32_OPS = [
     "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss", "Softmax", "LogSoftmax", "LayerNormalization",
     "BatchNormalization", "InstanceNormalization", "ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2",
-    "ReduceLogSumExp", "Exp", "Log", "Pow", "Sqrt", "Reciprocal", "Div", "CumSum", "Erf", "Slice",
+    "ReduceLogSumExp", "Exp", "Log", "Pow", "Sqrt", "Reciprocal", "Div", "CumSum", "Erf", "Slice", "MaxPool",
 ]  # fmt: skip
 
 
@@ -171,6 +172,18 @@ def set_inference_mode(model: onnx.ModelProto) -> None:
                     attribute.i = 0
             del node.output[1:]
     _remove_unused(model.graph)
+
+
+def keep_outputs(model: onnx.ModelProto, names) -> None:
+    """Keep only the graph outputs ``names``, and the nodes, initializers and inputs they need."""
+    kept = [output for output in model.graph.output if output.name in names]
+    del model.graph.output[:]
+    model.graph.output.extend(kept)
+    _remove_unused(model.graph)
+    read = {name for node in model.graph.node for name in _node_inputs(node)} | set(names)
+    inputs = [graph_input for graph_input in model.graph.input if graph_input.name in read]
+    del model.graph.input[:]
+    model.graph.input.extend(inputs)
 
 
 def _remove_unused(graph: onnx.GraphProto) -> None:
@@ -586,3 +599,100 @@ def where_in_graph(model: onnx.ModelProto, names) -> dict:
         elif name in readers:
             found[name] = f"read by {describe_node(readers[name])}"
     return found
+
+
+@dataclass(frozen=True)
+class IndexRange:
+    """A graph input of integer indices and the range the op it feeds accepts, as torch checks it."""
+
+    input: str
+    size: int  # valid values are 0 .. size - 1
+    ignore_index: object  # a value also accepted (a loss's ignore_index), or None
+    consumer: str  # the op and module, for the error message
+
+
+# Ops that pass indices through unchanged in value (a language model's labels.view(-1)).
+_VALUE_PRESERVING = {"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Cast", "Transpose"}
+
+
+def index_ranges(model: onnx.ModelProto, sample_shapes: dict) -> list:
+    """Integer graph inputs that reach an embedding lookup (Gather) or a class-index loss as
+    indices, with the range torch accepts there: 0 .. rows - 1, 0 .. classes - 1 (or ignore_index).
+    ``sample_shapes`` ({input: shape} of one batch) let shape inference find sizes a reshape
+    computes (``logits.view(-1, vocab)``); the sizes used are those that do not depend on the batch.
+
+    ONNX Runtime would accept negative indices (counted from the end) where torch raises,
+    and fails out-of-range ones with a C++ message naming its own node; the trainer checks
+    these ranges before each run instead (cheap: one comparison per index tensor).
+    """
+    integer_inputs = [i.name for i in model.graph.input if i.type.tensor_type.elem_type in (onnx.TensorProto.INT64, onnx.TensorProto.INT32)]
+    readers = {}
+    for node in model.graph.node:
+        for position, name in enumerate(node.input):
+            readers.setdefault(name, []).append((node, position))
+    shapes = _shapes_at(model, sample_shapes)
+    grown = {name: [size + 1 for size in shape] for name, shape in sample_shapes.items()}
+    other = _shapes_at(model, grown)  # a size that moves with the batch's shape is no fixed bound
+    shapes = {name: [size if size == other.get(name, [None] * len(shape))[index] else None for index, size in enumerate(shape)]
+              for name, shape in shapes.items() if len(other.get(name, [])) == len(shape)}  # fmt: skip
+    found = []
+    for name in integer_inputs:
+        pending, seen = [name], set()
+        while pending:
+            tensor = pending.pop()
+            for node, position in readers.get(tensor, []):
+                if node.op_type in _VALUE_PRESERVING and position == 0 and id(node) not in seen:
+                    seen.add(id(node))
+                    pending.extend(node.output)
+                    continue
+                bound = _index_bound(node, position, shapes)
+                if bound is not None:
+                    found.append(IndexRange(name, bound[0], bound[1], describe_node(node)))
+    return found
+
+
+def _shapes_at(model: onnx.ModelProto, sample_shapes: dict) -> dict:
+    """Tensor name -> shape, inferred with the graph inputs fixed to ``sample_shapes``."""
+    fixed = copy.deepcopy(model)
+    for graph_input in fixed.graph.input:
+        for dim, size in zip(graph_input.type.tensor_type.shape.dim, sample_shapes.get(graph_input.name, [])):
+            dim.Clear()
+            dim.dim_value = size
+    inferred = onnx.shape_inference.infer_shapes(fixed, data_prop=True).graph
+    shapes = {initializer.name: list(initializer.dims) for initializer in fixed.graph.initializer}
+    for info in list(inferred.value_info) + list(inferred.input) + list(inferred.output):
+        if info.type.tensor_type.HasField("shape"):
+            shapes[info.name] = [dim.dim_value if dim.HasField("dim_value") else None for dim in info.type.tensor_type.shape.dim]
+    return shapes
+
+
+def _index_bound(node: onnx.NodeProto, position: int, shapes: dict):
+    """(size, ignore_index) when ``node`` reads input ``position`` as indices into a static dimension."""
+    if node.op_type == "Gather" and position == 1:
+        axis = rewrites.node_attribute(node, "axis", 0)
+        data = shapes.get(node.input[0])
+        size = data[axis] if data and len(data) > axis else None
+        return (size, None) if size else None
+    if node.op_type in ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss") and position == 1:
+        scores = shapes.get(node.input[0])
+        size = scores[1] if scores and len(scores) > 1 else None
+        return (size, rewrites.node_attribute(node, "ignore_index")) if size else None
+    return None
+
+
+class RunError(RuntimeError):
+    """ONNX Runtime failed on a batch; the message names the op and the torch module it came from."""
+
+
+def run_error(error: Exception) -> RunError:
+    """ONNX Runtime's 'Non-zero status code returned while running X node. Name:...' as one readable line."""
+    found = re.search(r"running (\S+) node\. Name:'([^']*)' Status Message: (.*)", str(error), re.DOTALL)
+    if not found:
+        return RunError(f"ONNX Runtime failed on this batch: {error}")
+    op_type, node_name, status = found.groups()
+    where = module_path(node_name.split("_Grad/")[0])
+    status = status.strip().split(" ", 1)[-1] if status.startswith("/onnxruntime_src") else status.strip()
+    return RunError(
+        f"ONNX Runtime failed on this batch in {op_type} (node '{node_name}'" + (f", module '{where}'" if where else "")
+        + f"): {status}"
+    )

@@ -100,7 +100,8 @@ def session_options(base=None, deterministic=False, optimized_model_path="", thr
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.add_session_config_entry("session.inter_op.allow_spinning", "0")
     options.use_deterministic_compute = deterministic
-    options.log_severity_level = 3
+    if base is None:  # errors reach the caller as exceptions: ONNX Runtime need not print them too
+        options.log_severity_level = 4
     if optimized_model_path:
         options.optimized_model_filepath = optimized_model_path
     return options

@@ -167,6 +167,7 @@ class ORTTrainer:
         self._data_parallel = None
         self._reference_module = None  # (export copy, forward names) until the first train_step checked against torch
         self._frozen = None  # _FrozenValues when the trace froze values of the first batch
+        self._index_ranges = None  # graph.index_ranges, found at the first batch
         if self._world.is_distributed:
             self._start_data_parallel()
         if self.options.mixed_precision.enabled and self.options.mixed_precision.loss_scaler is None:
@@ -254,7 +255,7 @@ class ORTTrainer:
     def _initialize_from_torch(self, input_names, inputs):
         """Export the torch model with this first batch and build the sessions."""
         module = export.module_for_export(self._torch_model)
-        desc = self.model_desc
+        given_desc = self.model_desc
         label_count = 1 if self.loss_fn is not None else 0
         forward_names = input_names[: len(input_names) - label_count]
         signature = inspect.signature(module.forward).parameters
@@ -263,20 +264,18 @@ class ORTTrainer:
             raise ValueError(f"inputs {not_in_forward} are not parameters of {type(module).__name__}.forward{tuple(signature)}")
         cpu_inputs = [tensor.cpu() for tensor in inputs]
         outputs = export.sample_outputs(module, self.loss_fn, forward_names, cpu_inputs)
-        if desc is None:
-            desc = infer_model_desc(input_names, cpu_inputs, outputs)
-            self.model_desc = _ORTTrainerModelDesc(desc)
+        model_desc = given_desc or _ORTTrainerModelDesc(infer_model_desc(input_names, cpu_inputs, outputs))
         outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
-        loss_output = self.model_desc.loss_output
-        loss_index = [entry.name for entry in self.model_desc.outputs].index(loss_output.name)
-        if len(outputs) != len(self.model_desc.outputs):
+        loss_output = model_desc.loss_output
+        loss_index = [entry.name for entry in model_desc.outputs].index(loss_output.name)
+        if len(outputs) != len(model_desc.outputs):
             raise ValueError(
-                f"model_desc lists {len(self.model_desc.outputs)} outputs but the model"
+                f"model_desc lists {len(model_desc.outputs)} outputs but the model"
                 + (" + loss_fn" if self.loss_fn else "")
                 + f" returns {len(outputs)}"
             )
         loss = outputs[loss_index]
-        if self.loss_fn is None and desc is None and (loss.dim() != 0 or not loss.is_floating_point()):
+        if self.loss_fn is None and given_desc is None and (loss.dim() != 0 or not loss.is_floating_point()):
             raise ValueError(
                 f"no loss_fn was given, so the model's first output is taken as the loss, but it has shape {list(loss.shape)} "
                 f"dtype {loss.dtype}: pass loss_fn=(output, label) -> scalar loss (e.g. torch.nn.functional.cross_entropy) "
@@ -292,8 +291,8 @@ class ORTTrainer:
         export_arguments = (
             self.loss_fn,
             forward_names,
-            [(entry.name, entry.shape) for entry in self.model_desc.inputs],
-            [(entry.name, entry.shape) for entry in self.model_desc.outputs],
+            [(entry.name, entry.shape) for entry in model_desc.inputs],
+            [(entry.name, entry.shape) for entry in model_desc.outputs],
             self.options._internal_use.onnx_opset_version,
         )
         onnx_model, lookups, frozen_values = export.export_to_onnx(module, cpu_inputs, *export_arguments)
@@ -314,7 +313,7 @@ class ORTTrainer:
                 "options utils.frozen_weights); torch's optimizers refuse an empty parameter list too"
             )
         # a weight that reaches only other outputs gets no gradient in torch (grad None): it is not trained
-        trainable = graph.weights_reaching_loss(onnx_model, requires_grad, self.model_desc.loss_output.name)
+        trainable = graph.weights_reaching_loss(onnx_model, requires_grad, model_desc.loss_output.name)
         frozen = [name for name in state if name in initializers and name not in trainable]
         weights = {name: state[name].to(self._device).contiguous() for name in trainable + frozen}
         self._aliases = _aliases(module)
@@ -325,12 +324,16 @@ class ORTTrainer:
             for path, layer in module.named_modules()
             if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm) and layer.track_running_stats and layer.training
         }
-        self._onnx_model = onnx_model
-        self._build(onnx_model, weights, trainable, lookups)
+        self._onnx_model, self.model_desc = onnx_model, model_desc
+        try:
+            self._build(onnx_model, weights, trainable, lookups)
+        except Exception:
+            self._onnx_model, self.model_desc = None, given_desc
+            raise
         if self.options.debug.check_against_torch != "off":
             self._reference_module = (module, forward_names)  # the first train_step checks against it
         for index, tensor in enumerate(outputs):
-            self.model_desc.add_type_to_output_description(index, tensor.dtype, getattr(self.model_desc.outputs[index], "dtype_amp", None))
+            model_desc.add_type_to_output_description(index, tensor.dtype, getattr(model_desc.outputs[index], "dtype_amp", None))
         if self.options.debug.check_model_export:
             self._check_model_export(cpu_inputs, outputs)
 
@@ -422,6 +425,7 @@ class ORTTrainer:
         owned = trainable
         if self._data_parallel is not None:
             owned = self._data_parallel.start(weights, trainable, graphs.train.SerializeToString() + repr(self._comparable_options()).encode())
+            self._seed = distributed.gather_objects(self._world, self._seed)[0]  # rank 0's, as a checkpoint keeps it
         self._all_grads = list(self._grads.values())  # views into the flat buffers: fixed for the trainer's life
         self._owned_grads = [self._grads[name] for name in owned]
         self._optimizer = _update.make_optimizer(
@@ -497,7 +501,27 @@ class ORTTrainer:
             input_names, inputs = self._gather_inputs(args, kwargs)  # now checked against the typed model_desc
         if self._frozen is not None:
             self._frozen.check_batch(self.model_desc.inputs, inputs)
+        self._check_index_ranges(inputs)
         return inputs
+
+    def _check_index_ranges(self, inputs):
+        """Token ids and class targets inside the range torch accepts (graph.index_ranges), before any run."""
+        by_name = {entry.name: tensor for entry, tensor in zip(self.model_desc.inputs, inputs)}
+        if self._index_ranges is None:
+            self._index_ranges = graph.index_ranges(self._onnx_model, {name: list(t.shape) for name, t in by_name.items()})
+        for bound in self._index_ranges:
+            indices = by_name[bound.input]
+            outside = (indices < 0) | (indices >= bound.size)
+            if bound.ignore_index is not None:
+                outside &= indices != bound.ignore_index
+            if bool(outside.any()):
+                position = tuple(int(i) for i in outside.nonzero()[0])
+                allowed = f"0..{bound.size - 1}" + (f" or {bound.ignore_index} (ignore_index)" if bound.ignore_index is not None else "")
+                raise ValueError(
+                    f"input '{bound.input}' holds {int(indices[position])} at index {list(position)}, outside {allowed}: "
+                    f"it is read by {bound.consumer}; torch would raise too (an id past the vocabulary, a class past the "
+                    "number of classes)"
+                )
 
     # ------------------------------------------------------------------ steps
     def _requested_outputs(self):
@@ -540,10 +564,10 @@ class ORTTrainer:
             batch_norm.save_old()
         try:
             outputs = self._train_session.run()
-        except Exception:
+        except RuntimeError as error:
             for batch_norm in self._batch_norms:
                 batch_norm.restore_old()
-            raise
+            raise graph.run_error(error) from error
         _check_values_per_channel(self._batch_norms)
         outputs, embedding_outputs = outputs[: len(self.model_desc.outputs)], outputs[len(self.model_desc.outputs) :]
         self._add_embedding_gradients(embedding_outputs)
@@ -645,7 +669,10 @@ class ORTTrainer:
     def _run_eval(self, inputs, requested):
         self._bind_batch(self._eval_session, inputs)
         self._eval_session.allocate_outputs(requested)
-        return self._eval_session.run()
+        try:
+            return self._eval_session.run()
+        except RuntimeError as error:
+            raise graph.run_error(error) from error
 
     def eval_step(self, *args, **kwargs):
         """Forward only, in inference mode (dropout off, BatchNorm on running statistics)."""
@@ -799,10 +826,11 @@ class ORTTrainer:
     def save_checkpoint(self, path, user_dict=None, include_optimizer_states=True, overwrite=False, consolidate=False):
         """Write ``state_dict()`` (+ ``user_dict``, stored natively, never pickled) to an HDF5 file atomically.
 
-        On several ranks the weights are the same everywhere, so rank 0 writes and the others
-        wait; under ZeRO each rank holds part of the optimizer state: every rank writes its
-        own file (put ``{rank}`` in ``path``), or with ``consolidate=True`` rank 0 gathers the
-        parts and writes one single-process checkpoint.
+        On several ranks the weights are the same everywhere, so rank 0 writes; under ZeRO each
+        rank holds part of the optimizer state: every rank writes its own file (put ``{rank}`` in
+        ``path``), or with ``consolidate=True`` the parts are merged into one single-process
+        checkpoint. All ranks must call this at the same step, one that completes a gradient-
+        accumulation window; if any rank's write fails, every rank raises ``RankWriteError``.
         """
         state = dict(self.state_dict())
         if not include_optimizer_states:
@@ -813,15 +841,15 @@ class ORTTrainer:
             checkpoint.save(state, path, overwrite=overwrite)
             return
         per_rank = self._optimizer_state_sharded and not consolidate
-        if per_rank:
-            if "{rank}" not in str(path):
-                raise ValueError(f"ZeRO checkpoints are per rank: put '{{rank}}' in the path ({path}) or pass consolidate=True")
-            checkpoint.save(state, str(path).format(rank=self._world.rank), overwrite=overwrite)
-        else:
-            parts = distributed.gather_objects(self._world, state) if self._optimizer_state_sharded else [state]
-            if self._world.rank == 0:
-                checkpoint.save(checkpoint.merge_rank_states(parts) if len(parts) > 1 else state, path, overwrite=overwrite)
-        distributed.barrier()
+        if per_rank and "{rank}" not in str(path):
+            raise ValueError(f"ZeRO checkpoints are per rank: put '{{rank}}' in the path ({path}) or pass consolidate=True")
+        checkpoint.check_not_mid_window(state, f"cannot save checkpoint {path}")
+        if self._optimizer_state_sharded and not per_rank:
+            state = checkpoint.merge_rank_states(distributed.gather_objects(self._world, state))
+        target = str(path).format(rank=self._world.rank) if per_rank else path
+        writes_here = per_rank or self._world.rank == 0  # otherwise rank 0 writes the one file
+        write = functools.partial(checkpoint.save, state, target, overwrite=overwrite) if writes_here else None
+        distributed.write_together(self._world, write, f"saving checkpoint {path} at step {self._train_step_info.step}")
 
     def load_checkpoint(self, *paths, strict=True, allow_pickle=False):
         """Load a checkpoint written by ``save_checkpoint`` (or by the legacy ORTTrainer); return its user_dict.
@@ -841,17 +869,27 @@ class ORTTrainer:
         return user_dict
 
     # ----------------------------------------------------------------- export
-    def save_as_onnx(self, path):
-        """Write the forward+loss model with the current weights (an inference model)."""
+    def save_as_onnx(self, path, with_loss=True):
+        """Write the model with the current weights as an inference graph (dropout off, BatchNorm on
+        running statistics) that runs in a plain ``onnxruntime.InferenceSession``.
+
+        ``with_loss=True`` (the legacy form) keeps the label input and returns the loss first;
+        ``with_loss=False`` keeps only the model's own inputs and outputs.
+        """
         if self._training_session is None:
-            warnings.warn("the trainer is not initialized yet: run train_step or eval_step once before save_as_onnx")
-            return
+            raise RuntimeError(
+                "save_as_onnx needs the graph that the first train_step or eval_step builds from a batch; run one "
+                "(e.g. trainer.eval_step(*batch) right after load_checkpoint) before saving"
+            )
         model = self._onnx_model
         for initializer in model.graph.initializer:
             if initializer.name in self._weights:
                 initializer.CopyFrom(numpy_helper.from_array(self._weights[initializer.name].cpu().numpy(), initializer.name))
         inference_model = copy.deepcopy(model)
         graph.set_inference_mode(inference_model)
+        if not with_loss:
+            loss = self.model_desc.loss_output.name
+            graph.keep_outputs(inference_model, [entry.name for entry in self.model_desc.outputs if entry.name != loss])
         onnx.save(inference_model, path)
 
 

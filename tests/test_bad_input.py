@@ -202,3 +202,86 @@ def test_module_path_from_exporter_scopes(node_name, module):
     from orttrainer.graph import module_path
 
     assert module_path(node_name) == module
+
+
+@pytest.mark.parametrize("which, value, message", [
+    ("token", 50, r"input 'tokens' holds 50 at index \[0, 0\], outside 0..49: it is read by Gather \(node '/model/tokens/Gather', module 'tokens'\)"),
+    ("token", -1, r"input 'tokens' holds -1 at index \[0, 0\], outside 0..49"),
+    ("label", 77, r"input 'label' holds 77 at index \[0, 0\], outside 0..49 or -100 \(ignore_index\): it is read by SoftmaxCrossEntropyLoss"),
+])  # fmt: skip
+def test_out_of_range_ids_and_targets_name_the_input_and_range_and_change_nothing(which, value, message, capfd):
+    from models import Encoder, lm_loss, token_batch
+
+    trainer = make_trainer(model=Encoder(), loss_fn=lm_loss)
+    tokens, labels = token_batch()
+    trainer.train_step(tokens, labels)
+    before = snapshot(trainer)
+    capfd.readouterr()
+    (tokens if which == "token" else labels)[0, 0] = value
+    with pytest.raises(ValueError, match=message):
+        trainer.train_step(tokens, labels)
+    with pytest.raises(ValueError, match=message):
+        trainer.eval_step(tokens, labels)
+    assert_untouched(trainer, before)
+    assert "onnxruntime" not in capfd.readouterr().err
+
+
+def test_onnx_runtime_failure_names_the_op_and_module_and_changes_nothing(capfd):
+    """A failure no check catches before the run (here a reshape that does not fit) reads as one line."""
+
+    class Folds(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 6)
+
+        def forward(self, x):
+            return self.fc(x).reshape(-1, 3, 4)
+
+    trainer = make_trainer(model=Folds(), loss_fn=lambda out, y: (out * y).sum())
+    trainer.train_step(torch.randn(2, 6), torch.randn(1, 3, 4))
+    before = snapshot(trainer)
+    capfd.readouterr()
+    with pytest.raises(RuntimeError, match=r"ONNX Runtime failed on this batch in Reshape \(node '/model/Reshape'"):
+        trainer.train_step(torch.randn(3, 6), torch.randn(1, 3, 4))
+    assert_untouched(trainer, before)
+    assert "onnxruntime" not in capfd.readouterr().err
+
+
+def test_missing_loss_fn_for_a_model_returning_logits_says_what_is_missing():
+    trainer = ORTTrainer(MLP(), None, optim.SGDConfig(lr=0.1), options=cpu_options())
+    with pytest.raises(ValueError, match=r"no loss_fn was given, so the model's first output is taken as the loss, but it has "
+                                         r"shape \[8, 10\]"):  # fmt: skip
+        trainer.train_step(mlp_batch()[0])
+
+
+def test_extra_postprocess_is_called_on_the_exported_graph_and_its_result_checked():
+    seen = []
+    options = ORTTrainerOptions({"device": {"id": "cpu"}, "_internal_use": {"extra_postprocess": seen.append}})
+    trainer = ORTTrainer(MLP(), None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=options)
+    trainer.train_step(*mlp_batch())
+    assert len(seen) == 1 and {init.name for init in seen[0].graph.initializer} >= {"fc1.weight", "head.bias"}
+    options = ORTTrainerOptions({"device": {"id": "cpu"}, "_internal_use": {"extra_postprocess": lambda model: "oops"}})
+    trainer = ORTTrainer(MLP(), None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=options)
+    with pytest.raises(TypeError, match=r"extra_postprocess must change the onnx.ModelProto in place or return one, got str"):
+        trainer.train_step(*mlp_batch())
+
+
+def test_what_the_user_passed_in_is_never_changed():
+    import copy
+
+    import onnx
+
+    from models import CNN
+
+    settings = {"device": {"id": "cpu"}, "mixed_precision": {"enabled": True}, "utils": {"frozen_weights": []}}
+    options = ORTTrainerOptions(copy.deepcopy(settings))
+    model = CNN()
+    trainer = ORTTrainer(model, None, optim.AdamConfig(lr=1e-3), loss_fn=F.cross_entropy, options=options)
+    trainer.train_step(*cnn_batch())
+    assert options.mixed_precision.loss_scaler is None and options.utils.frozen_weights == []
+    assert trainer.options.mixed_precision.loss_scaler is not None
+    proto = copy.deepcopy(trainer._onnx_model)
+    original = proto.SerializeToString()
+    onnx_trainer = ORTTrainer(proto, None, optim.SGDConfig(lr=0.1), options=cpu_options())
+    onnx_trainer.train_step(*cnn_batch())
+    assert proto.SerializeToString() == original

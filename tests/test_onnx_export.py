@@ -41,11 +41,28 @@ def test_save_as_onnx_runs_in_plain_inference_session_like_torch_eval(tmp_path, 
     assert onnx.load(str(path)).ir_version <= 10
 
 
-def test_save_as_onnx_before_initialization_warns_and_writes_nothing(tmp_path):
+def test_save_as_onnx_before_initialization_says_what_to_do_and_writes_nothing(tmp_path):
     trainer = ORTTrainer(MLP(), None, optim.SGDConfig(), loss_fn=F.cross_entropy, options=cpu_options())
-    with pytest.warns(UserWarning, match="not initialized"):
+    with pytest.raises(RuntimeError, match=r"run one \(e.g. trainer.eval_step\(\*batch\) right after load_checkpoint\)"):
         trainer.save_as_onnx(str(tmp_path / "model.onnx"))
     assert not (tmp_path / "model.onnx").exists()
+
+
+@pytest.mark.parametrize("make, loss_fn, make_batch", [(CNN, F.cross_entropy, cnn_batch), (lambda: Encoder(dropout=0.1), lm_loss, token_batch)])
+def test_forward_only_onnx_takes_the_models_inputs_and_gives_its_outputs(tmp_path, make, loss_fn, make_batch):
+    torch.manual_seed(0)
+    model = make()
+    batch = make_batch()
+    trainer = trained(model, loss_fn, batch)
+    path = tmp_path / "model.onnx"
+    trainer.save_as_onnx(str(path), with_loss=False)
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == [trainer.model_desc.inputs[0].name]
+    (output,) = session.run(None, {session.get_inputs()[0].name: batch[0].numpy()})
+    reference = copy.deepcopy(model).eval()
+    reference.load_state_dict(trainer.state_dict(pytorch_format=True))
+    with torch.no_grad():
+        np.testing.assert_allclose(output, reference(batch[0]).numpy(), atol=1e-5, rtol=1e-4)
 
 
 def test_check_model_export_passes_for_a_faithful_export():
