@@ -797,6 +797,12 @@ class ORTTrainer:
                        for key, value in entry.items() if key in current["optimizer"].get(name, {})}
                 for name, entry in optimizer.items() if name in current["optimizer"]
             }  # fmt: skip
+        if "gradient_accumulation" in state and self._world.is_distributed:
+            raise ValueError(
+                "this checkpoint was taken inside a gradient-accumulation window; its partial gradient sum cannot be "
+                f"split over {self._world.size} ranks (each would add all of it): resume it in one process, or save at a "
+                "window boundary"
+            )
         accumulated = {
             name: _checked_tensor(value, current["model"]["full_precision"][name], f"state_dict[gradient_accumulation][{name}]")
             for name, value in state.get("gradient_accumulation", {}).items()

@@ -330,3 +330,23 @@ def test_merging_rank_states_keeps_what_one_process_saves_and_checks_agreement(t
     with pytest.raises(CheckpointError, match=r"cannot merge the checkpoint of rank 0: step 3 of rank 0 \(of 2\) is inside a "
                                               "gradient-accumulation window"):
         checkpoint.merge_rank_states(partial)
+
+
+def test_a_mid_window_checkpoint_is_refused_on_several_ranks_and_changes_nothing():
+    """Each rank would add the whole partial gradient sum, doubling it after the all-reduce."""
+    from orttrainer.distributed import World
+
+    torch.manual_seed(0)
+    options = cpu_options({"batch": {"gradient_accumulation_steps": 2}})
+    saved = ORTTrainer(MLP(), None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=options)
+    saved.train_step(*mlp_batch())
+    state = saved.state_dict()
+    assert "gradient_accumulation" in state
+    resumed = ORTTrainer(MLP(), None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=options)
+    resumed.train_step(*mlp_batch())
+    before = resumed.state_dict(pytorch_format=True)
+    resumed._world = World(rank=0, size=2)  # what torchrun would give; the check needs no process group
+    with pytest.raises(ValueError, match=r"inside a gradient-accumulation window; .* split over 2 ranks"):
+        resumed.load_state_dict(state)
+    for name, value in resumed.state_dict(pytorch_format=True).items():
+        assert torch.equal(value, before[name]), name
