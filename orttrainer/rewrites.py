@@ -3,9 +3,10 @@
 Each rewrite is a small function ``(build) -> None`` that emits, through ``build``, nodes
 computing the node's output from its inputs with ops that have gradient builders (and
 fast CPU gradient kernels) in onnxruntime-training 1.19; one that returns ``False``
-leaves this node as it is. Values and gradients match torch
-(tests/test_rewrites.py). ``rewrite_for_training`` applies them to a whole graph; only the
-training graph is rewritten, inference keeps the original (faster) ops.
+leaves this node as it is. Values and gradients match torch, also at 0, tiny, huge, infinite
+and NaN inputs, ties and kinks (tests/test_rewrites.py, tests/test_boundary_values.py); each
+docstring names what cannot match exactly. ``rewrite_for_training`` applies them to a whole
+graph; only the training graph is rewritten, inference keeps the original (faster) ops.
 """
 
 from collections import defaultdict
@@ -41,8 +42,43 @@ class GraphFacts:
     targets: set  # names of the nodes being replaced
 
 
-class NodeBuilder:
-    """Emits the nodes replacing one node: unique names, constants, opset-aware reductions."""
+class OpEmitter:
+    """Opset-aware reductions and (un)squeezes over ``op`` and ``const``.
+
+    The formulas below are written against this interface, so that symbolics.py emits the
+    same constructions into torch's export graph as the rewrites emit into an ONNX graph.
+    """
+
+    opset: int
+
+    def op(self, op_type, inputs, output=None, **attributes):
+        raise NotImplementedError
+
+    def const(self, value, dtype=np.float32):
+        raise NotImplementedError
+
+    def reduce(self, op_type, x, axes, keepdims, output=None):
+        """ReduceX with ``axes`` as attribute or input, whichever this opset wants."""
+        axes_as_input = self.opset >= (13 if op_type == "ReduceSum" else 18)
+        if axes is None:
+            return self.op(op_type, [x], output, keepdims=keepdims)
+        if axes_as_input:
+            return self.op(op_type, [x, self.const(axes, np.int64)], output, keepdims=keepdims)
+        return self.op(op_type, [x], output, axes=list(axes), keepdims=keepdims)
+
+    def unsqueeze(self, x, axes):
+        if self.opset >= 13:
+            return self.op("Unsqueeze", [x, self.const(axes, np.int64)])
+        return self.op("Unsqueeze", [x], axes=list(axes))
+
+    def squeeze(self, x, axes, output=None):
+        if self.opset >= 13:
+            return self.op("Squeeze", [x, self.const(axes, np.int64)], output)
+        return self.op("Squeeze", [x], output, axes=list(axes))
+
+
+class NodeBuilder(OpEmitter):
+    """Emits the nodes replacing one node: unique names, constants, the node's facts."""
 
     def __init__(self, node: onnx.NodeProto, facts: GraphFacts):
         self.node, self.facts = node, facts
@@ -88,25 +124,6 @@ class NodeBuilder:
             raise RewriteError(f"{self.node.op_type} node '{self.node.name}': input {index} must be a constant")
         return self.constants[name]
 
-    def reduce(self, op_type, x, axes, keepdims, output=None):
-        """ReduceX with ``axes`` as attribute or input, whichever this opset wants."""
-        axes_as_input = self.opset >= (13 if op_type == "ReduceSum" else 18)
-        if axes is None:
-            return self.op(op_type, [x], output, keepdims=keepdims)
-        if axes_as_input:
-            return self.op(op_type, [x, self.const(axes, np.int64)], output, keepdims=keepdims)
-        return self.op(op_type, [x], output, axes=list(axes), keepdims=keepdims)
-
-    def unsqueeze(self, x, axes):
-        if self.opset >= 13:
-            return self.op("Unsqueeze", [x, self.const(axes, np.int64)])
-        return self.op("Unsqueeze", [x], axes=list(axes))
-
-    def squeeze(self, x, axes, output=None):
-        if self.opset >= 13:
-            return self.op("Squeeze", [x, self.const(axes, np.int64)], output)
-        return self.op("Squeeze", [x], output, axes=list(axes))
-
     def reduce_axes(self):
         """(axes, keepdims) of the Reduce node being replaced, wherever its opset keeps them."""
         keepdims = self.attribute("keepdims", 1)
@@ -120,24 +137,146 @@ def _output(build):
     return build.node.output[0]
 
 
-def _negative_part(build, x):
-    """min(x, 0) as x - relu(x) (differentiable everywhere torch's ops are)."""
-    return build.op("Sub", [x, build.op("Relu", [x])])
+def where(build, condition, if_true, if_false, output=None):
+    """Where(condition, if_true, if_false); a float operand becomes a constant.
+
+    A piecewise function is a Where of branches. ONNX Runtime gives the branch not taken a
+    zero incoming gradient, and multiplies it by that branch's local derivatives: a branch
+    that is inf or NaN where it is not taken, or has an infinite derivative there, turns the
+    gradient into 0 * inf = NaN. So each branch below reads its input through a Where that
+    replaces the values of the other branches by a safe constant.
+    """
+    operands = [build.const(value) if isinstance(value, float) else value for value in (if_true, if_false)]
+    return build.op("Where", [condition, *operands], output)
+
+
+def _mask(build, condition):
+    """condition as a float 0/1 tensor, to select a branch by multiplying with it.
+
+    In onnxruntime-training 1.19 a Where and its gradient (two more Wheres) cost about ten
+    times a Mul, so the frequent activations select this way; the branch must be finite
+    everywhere, 0 * inf being NaN.
+    """
+    return build.op("Cast", [condition], to=onnx.TensorProto.FLOAT)
+
+
+def _nonpositive_part(build, x):
+    """min(x, 0) with derivative 1 for x <= 0, 0 included (Relu's derivative there is 0,
+    Min's 1/2), and 0 for x > 0; finite wherever x is not NaN (+inf gives 0).
+
+    FLT_MIN - relu(FLT_MIN - x) is min(x, FLT_MIN), exact for x <= 0, its kink just above 0;
+    the mask of x <= 0 drops the values in (0, FLT_MIN].
+    """
+    tiny = build.const(np.finfo(np.float32).tiny)
+    clamped = build.op("Sub", [tiny, build.op("Relu", [build.op("Sub", [tiny, x])])])
+    return build.op("Mul", [clamped, _mask(build, _compare(build, "LessOrEqual", x, 0.0))])
+
+
+def _compare(build, op_type, x, value):
+    """Greater/Less/GreaterOrEqual/LessOrEqual/Equal of ``x`` and a float constant."""
+    return build.op(op_type, [x, build.const(value)])
+
+
+def _magnitude(build, x):
+    """(x < 0, |x|) with |x| as a Where, so that its derivative at 0 is 1, not Abs's 0."""
+    negative = _compare(build, "Less", x, 0.0)
+    return negative, where(build, negative, build.op("Neg", [x]), x)
+
+
+def _with_sign(build, negative, magnitude, output=None):
+    """-magnitude where ``negative``, else magnitude: an odd function from its x >= 0 half."""
+    return where(build, negative, build.op("Neg", [magnitude]), magnitude, output)
+
+
+def _polynomial(build, x, coefficients):
+    """c0 + c1 x + c2 x^2 + ... by Horner's rule."""
+    result = build.const(coefficients[-1])
+    for coefficient in reversed(coefficients[:-1]):
+        result = build.op("Add", [build.op("Mul", [result, x]), build.const(coefficient)])
+    return result
+
+
+def log1p(build, u, reaches_minus_one=True):
+    """log(1 + u) to float32 accuracy, value and gradient, for finite u >= -1 (NaN stays NaN).
+
+    w = 1 + u is rounded, and log(w) alone is 0 for |u| below float32's epsilon. For
+    |u| <= 1 the rounding error (w - 1) - u is exact, so log(w) - ((w - 1) - u) / w is
+    log1p(u) to within about 2 ulp (second-order remainder (u - w + 1)^2 / 2); for u > 1 the
+    correction is below an ulp of the result. Its gradient is 1/w + ((w - 1) - u) / w^2 =
+    1 / (1 + u) to the same accuracy, +inf at u = -1. If u ``reaches_minus_one``, the
+    divisor is max(w, 0.5), to avoid 0/0 there (for u <= -0.5, w is exact and the
+    correction 0); a Max and its gradient cost as much as the rest, so callers whose u
+    stays >= 0 say so.
+    """
+    w = build.op("Add", [u, build.const(1.0)])
+    error = build.op("Sub", [build.op("Sub", [w, build.const(1.0)]), u])
+    divisor = build.op("Max", [w, build.const(0.5)]) if reaches_minus_one else w
+    return build.op("Sub", [build.op("Log", [w]), build.op("Div", [error, divisor])])
+
+
+# detached(): |v| below each bound is first multiplied by the power of two after it
+_DETACH_SCALES = [(2.0**-97, 2.0**120), (2.0**-57, 2.0**80), (2.0**-17, 2.0**40)]
+
+
+def detached(build, v):
+    """v's value on no gradient path, exactly, for finite |v| < 2^63.
+
+    ONNX Runtime's gradient builder stops at a Cast to an integer type, and has no op that
+    passes a float unchanged without a gradient. So v, scaled by a power of two into
+    [2^-17, 2^23) when smaller, passes as its integer part and its fraction in steps of
+    2^-40, each through int64 (with 24 significant bits, both are exact), then is scaled back.
+    """
+    magnitude = build.op("Abs", [v])
+    scale = build.const(1.0)
+    for bound, factor in reversed(_DETACH_SCALES):
+        scale = where(build, build.op("Less", [magnitude, build.const(bound)]), factor, scale)
+    scaled = build.op("Mul", [v, scale])
+    whole = build.op("Cast", [build.op("Cast", [scaled], to=onnx.TensorProto.INT64)], to=onnx.TensorProto.FLOAT)
+    fraction = build.op("Mul", [build.op("Sub", [scaled, whole]), build.const(2.0**40)])
+    steps = build.op("Cast", [build.op("Cast", [fraction], to=onnx.TensorProto.INT64)], to=onnx.TensorProto.FLOAT)
+    return build.op("Div", [build.op("Add", [whole, build.op("Mul", [steps, build.const(2.0**-40)])]), scale])
 
 
 def softplus(build):
-    """log(1 + exp(x)) = relu(x) + log(1 + exp(-|x|)): no overflow for large |x|."""
+    """log(1 + exp(x)) as Max(x, 0) + log1p(exp(-|x|)), gradient sigmoid(x) everywhere.
+
+    At x = 0 the gradient is 1/2 = sigmoid(0): onnxruntime-training's Max shares the
+    gradient between tied inputs (1/2 each) and Abs's derivative is 0 there (Relu's is 0
+    too, which gave 0). exp only sees -|x| <= 0: no overflow, and exp(-inf) = 0 gives x and
+    0 at ±inf with gradients 1 and 0. Values within about 2 ulp (log1p), also far below 0
+    where the result is exp(x) (denormal results may flush to 0).
+    """
     x = build.node.input[0]
-    tail = build.op("Log", [build.op("Add", [build.op("Exp", [build.op("Neg", [build.op("Abs", [x])])]), build.const(1.0)])])
-    build.op("Add", [build.op("Relu", [x]), tail], _output(build))
+    tail = log1p(build, build.op("Exp", [build.op("Neg", [build.op("Abs", [x])])]), reaches_minus_one=False)
+    build.op("Add", [build.op("Max", [x, build.const(0.0)]), tail], _output(build))
+
+
+def _expm1_nonpositive(build, z):
+    """exp(z) - 1 for z <= 0 (-inf included) to float32 accuracy, value and gradient.
+
+    On [-1, 0] it is 2t / (1 - t) with t = tanh(z / 2): no cancellation near 0, where
+    exp(z) - 1 loses every digit (ELU(-1e-30) would be 0), and within about 6 ulp (ONNX
+    Runtime's Tanh is within 5). Below -1, exp(z) - 1 has no cancellation and its gradient
+    exp(z) stays exact where tanh'(z / 2) = 1 - t^2 would round to 0.
+    """
+    near = _mask(build, _compare(build, "GreaterOrEqual", z, -1.0))
+    t = build.op("Tanh", [build.op("Mul", [z, build.const(0.5)])])
+    ratio = build.op("Div", [build.op("Mul", [t, build.const(2.0)]), build.op("Sub", [build.const(1.0), t])])
+    far = build.op("Sub", [build.op("Exp", [z]), build.const(1.0)])  # both finite for every z <= 0
+    beyond = build.op("Sub", [build.const(1.0), near])
+    return build.op("Add", [build.op("Mul", [ratio, near]), build.op("Mul", [far, beyond])])
 
 
 def _elu_like(build, x, alpha, inner_scale, output):
-    """relu(x) + alpha * (exp(min(x, 0) * inner_scale) - 1): ELU, CELU; exp never sees x > 0."""
-    negative = _negative_part(build, x)
+    """relu(x) + alpha * (exp(inner_scale * min(x, 0)) - 1): ELU, CELU (and SELU, scaled).
+
+    As torch's branches: at x = 0 the gradient is the exponential's, alpha * inner_scale
+    (_nonpositive_part); the exponential never sees x > 0 (+inf gave inf - inf = NaN).
+    """
+    z = _nonpositive_part(build, x)
     if inner_scale != 1.0:
-        negative = build.op("Mul", [negative, build.const(inner_scale)])
-    curve = build.op("Mul", [build.op("Sub", [build.op("Exp", [negative]), build.const(1.0)]), build.const(alpha)])
+        z = build.op("Mul", [z, build.const(inner_scale)])
+    curve = build.op("Mul", [_expm1_nonpositive(build, z), build.const(alpha)])
     return build.op("Add", [build.op("Relu", [x]), curve], output)
 
 
@@ -157,25 +296,74 @@ def selu(build):
     build.op("Mul", [inner, build.const(gamma)], _output(build))
 
 
-def _hard_sigmoid(build, x, alpha, beta, output=None):
-    """clip(alpha * x + beta, 0, 1) as relu(t) - relu(t - 1)."""
-    t = build.op("Add", [build.op("Mul", [x, build.const(alpha)]), build.const(beta)])
-    return build.op("Sub", [build.op("Relu", [t]), build.op("Relu", [build.op("Sub", [t, build.const(1.0)])])], output)
-
-
 def hard_sigmoid(build):
-    _hard_sigmoid(build, build.node.input[0], build.attribute("alpha", 0.2), build.attribute("beta", 0.5), _output(build))
+    """clip(alpha * x + beta, 0, 1) with torch's hardsigmoid gradient: alpha strictly between
+    the kinks, 0 at and beyond them (Clip's is 1 at them); NaN gives NaN.
+
+    The kinks are compared on x (at -beta/alpha and (1 - beta)/alpha, ±3 for torch), not on
+    the rounded alpha * x + beta, which reaches 1 one float below 3; the line is
+    (x - low) * alpha, exact near the low kink as torch's (x + 3) / 6.
+    """
+    x, alpha, beta = build.node.input[0], build.attribute("alpha", 0.2), build.attribute("beta", 0.5)
+    if alpha <= 0:
+        raise RewriteError(f"HardSigmoid node '{build.node.name}': alpha {alpha} <= 0 cannot be rewritten")
+    low, high = float(np.float32(-beta / alpha)), float(np.float32((1.0 - beta) / alpha))
+    line = build.op("Mul", [build.op("Sub", [x, build.const(low)]), build.const(alpha)])
+    clipped = build.op("Clip", [line, build.const(0.0), build.const(1.0)])  # finite, also for x = ±inf
+    inside = build.op("And", [_compare(build, "Greater", x, low), _compare(build, "Less", x, high)])
+    outside = _mask(build, _compare(build, "GreaterOrEqual", x, high))
+    build.op("Add", [build.op("Mul", [clipped, _mask(build, inside)]), outside], _output(build))
 
 
 def hard_swish(build):
+    """x * clip((x + 3) / 6, 0, 1) with torch's hardswish branches: 0 (gradient 0; NaN at
+    -inf, as torch's x * 0) for x <= -3, the curve (gradient x / 3 + 1/2) strictly between,
+    x (gradient 1) from 3 on; the curve reads x clipped to [-3, 3], finite."""
     x = build.node.input[0]
-    build.op("Mul", [x, _hard_sigmoid(build, x, 1.0 / 6.0, 0.5)], _output(build))
+    inner = build.op("Clip", [x, build.const(-3.0), build.const(3.0)])
+    curve = build.op("Mul", [inner, build.op("Mul", [build.op("Add", [inner, build.const(3.0)]), build.const(1.0 / 6.0)])])
+    middle = build.op("And", [_compare(build, "Greater", x, -3.0), _compare(build, "Less", x, 3.0)])
+    above = build.op("Mul", [x, _mask(build, build.op("Not", [_compare(build, "Less", x, 3.0)]))])
+    build.op("Add", [build.op("Mul", [curve, _mask(build, middle)]), above], _output(build))
 
 
 def prelu(build):
-    """relu(x) + slope * min(x, 0); the slope keeps its gradient."""
+    """relu(x) + slope * min(x, 0): gradient slope at x = 0, as torch's (_nonpositive_part);
+    the slope is multiplied only by the x <= 0 values, so +inf gives it gradient 0, not
+    0 * inf, and the value inf, not inf - inf."""
     x, slope = build.node.input[0], build.node.input[1]
-    build.op("Add", [build.op("Relu", [x]), build.op("Mul", [slope, _negative_part(build, x)])], _output(build))
+    negative = build.op("Mul", [slope, _nonpositive_part(build, x)])
+    build.op("Add", [build.op("Relu", [x]), negative], _output(build))
+
+
+def _batch_norm_trains(node: onnx.NodeProto, opset_version: int) -> bool:
+    """Whether a BatchNormalization computes batch statistics (training_mode from opset 14,
+    the optional statistics outputs before)."""
+    if opset_version >= 14:
+        return bool(node_attribute(node, "training_mode", 0))
+    return any(node.output[1:])
+
+
+def inference_batch_norm(build):
+    """BatchNormalization in inference mode (a BatchNorm the user put in eval(), inside a model
+    trained in train()) as (x - mean) * (scale / sqrt(var + epsilon)) + bias.
+
+    ONNX Runtime's training optimizer turns every BatchNormalization into its training-mode
+    BatchNormInternal, which normalizes with the batch's statistics and overwrites the
+    running ones in place (measured on 1.19.2), on a gradient path or not; so
+    rewrite_for_training replaces these wherever they are. The running statistics are read,
+    never trained; x, scale and bias get torch's gradients. Training-mode nodes are kept.
+    """
+    if _batch_norm_trains(build.node, build.opset):
+        return False
+    x, scale, bias, mean, variance = build.node.input[:5]
+    channel_axes = list(range(1, len(build.shape(x)) - 1))  # [C] -> [C, 1, ...] against [N, C, ...]
+    epsilon = build.const(build.attribute("epsilon", 1e-5))
+    factor = build.op("Div", [scale, build.op("Sqrt", [build.op("Add", [variance, epsilon])])])
+    if channel_axes:
+        factor, bias, mean = (build.unsqueeze(tensor, channel_axes) for tensor in (factor, bias, mean))
+    build.op("Add", [build.op("Mul", [build.op("Sub", [x, mean]), factor]), bias], _output(build))
+    return True
 
 
 def instance_normalization(build):
@@ -297,6 +485,36 @@ def constant_index_gather(build):
     return True
 
 
+# ONNX Resize's coordinate transformations: output index -> input coordinate, for an axis of
+# ``length`` values resized by ``factor``; then the nearest-mode roundings.
+_RESIZE_COORDINATES = {
+    "half_pixel": lambda out, length, factor: (out + 0.5) / factor - 0.5,
+    "pytorch_half_pixel": lambda out, length, factor: (out + 0.5) / factor - 0.5 if length * factor > 1 else 0 * out,
+    "align_corners": lambda out, length, factor: out * (length - 1) / max(length * factor - 1, 1),
+    "asymmetric": lambda out, length, factor: out / factor,
+    "tf_half_pixel_for_nn": lambda out, length, factor: (out + 0.5) / factor,
+}
+_NEAREST_ROUNDINGS = {
+    "round_prefer_floor": lambda coordinate: np.ceil(coordinate - 0.5),
+    "round_prefer_ceil": lambda coordinate: np.floor(coordinate + 0.5),
+    "floor": np.floor,
+    "ceil": np.ceil,
+}
+
+
+def _repeats_each_value(build, length, factor):
+    """Whether this Resize's coordinate transformation and nearest mode read input i for the
+    outputs i * factor ... i * factor + factor - 1 (what Reshape + Expand computes); e.g.
+    torch's nearest (asymmetric, floor) does, align_corners or ceil rounding does not."""
+    transform = _RESIZE_COORDINATES.get(build.attribute("coordinate_transformation_mode", "half_pixel"))
+    rounding = _NEAREST_ROUNDINGS.get(build.attribute("nearest_mode", "round_prefer_floor"))
+    if transform is None or rounding is None:
+        return False
+    coordinates = transform(np.arange(length * factor, dtype=np.float64), length, factor)
+    sources = np.clip(rounding(coordinates), 0, length - 1)
+    return np.array_equal(sources, np.repeat(np.arange(length), factor))
+
+
 def nearest_upsample(build):
     """Resize by whole-number factors in nearest mode as Reshape + Expand + Reshape
     (ONNX Runtime has no CPU kernel for ResizeGrad)."""
@@ -317,6 +535,11 @@ def nearest_upsample(build):
     if scales[:2] != [1.0, 1.0] or any(factor != scale or factor < 1 for factor, scale in zip(factors, scales)):
         raise RewriteError(f"Resize node '{build.node.name}': scales {scales} are not whole-number spatial factors")
     spatial = list(zip(dims[1:], factors[2:]))
+    if build.attribute("axes") is not None or not all(_repeats_each_value(build, dim, factor) for dim, factor in spatial):
+        raise RewriteError(
+            f"Resize node '{build.node.name}': its coordinate transformation, nearest mode or axes do not repeat each "
+            "value factor times"
+        )
     split = [0, dims[0]] + [value for dim, _ in spatial for value in (dim, 1)]
     expanded = [1, dims[0]] + [value for dim, factor in spatial for value in (dim, factor)]
     grown = build.op("Expand", [build.op("Reshape", [x, build.const(split, np.int64)]), build.const(expanded, np.int64)])
@@ -324,35 +547,83 @@ def nearest_upsample(build):
     build.op("Reshape", [grown, build.const(merged, np.int64)], _output(build))
 
 
+def _shifted(build, x, axis, rank, length, shift, reverse):
+    """x moved ``shift`` places along ``axis``, towards its end (its start if ``reverse``), zeros coming in."""
+    bounds = ([shift], [length]) if reverse else ([0], [length - shift])
+    kept = build.op("Slice", [x, *(build.const(bound, np.int64) for bound in bounds), build.const([axis], np.int64)])
+    pads = [0] * (2 * rank)
+    pads[axis + (rank if reverse else 0)] = shift
+    return build.op("Pad", [kept, build.const(pads, np.int64)])
+
+
 def cumsum(build):
-    """CumSum along a static axis as a MatMul with a triangular 0/1 matrix."""
+    """CumSum along a static axis as a scan in float64: y += y shifted by 1, 2, 4, ... (ceil(log2 n) steps).
+
+    Each output sums exactly the inputs torch's does, so an inf or NaN reaches only the
+    positions after it (a triangular MatMul multiplied every input by 0 or 1, and inf * 0 =
+    NaN). torch accumulates a float32 cumsum in float64 on the CPU (1e8 + 1 - 1e8 = 1), so
+    the scan runs in float64 too and rounds once.
+    """
+    if build.opset < 11:
+        raise RewriteError(f"CumSum node '{build.node.name}': opset {build.opset} < 11 has no Pad with a pads input")
     x = build.node.input[0]
     rank = len(build.shape(x))
     axis = int(build.constant_input(1).reshape(-1)[0]) % rank
     (length,) = build.static_dims(x, [axis])
-    source, target = np.meshgrid(np.arange(length), np.arange(length), indexing="ij")
-    reverse, exclusive = build.attribute("reverse", 0), build.attribute("exclusive", 0)
-    if reverse:
-        include = source > target if exclusive else source >= target
-    else:
-        include = source < target if exclusive else source <= target
-    matrix = build.const(include.astype(np.float32))
-    if axis == rank - 1:
-        build.op("MatMul", [x, matrix], _output(build))
-        return
-    perm = [dim for dim in range(rank) if dim != axis] + [axis]
-    summed = build.op("MatMul", [build.op("Transpose", [x], perm=perm), matrix])
-    build.op("Transpose", [summed], _output(build), perm=list(np.argsort(perm)))
+    reverse = build.attribute("reverse", 0)
+    total = build.op("Cast", [x], to=onnx.TensorProto.DOUBLE)
+    if build.attribute("exclusive", 0):
+        total = _shifted(build, total, axis, rank, length, 1, reverse)
+    for step in range(max(length - 1, 0).bit_length()):
+        total = build.op("Add", [total, _shifted(build, total, axis, rank, length, 1 << step, reverse)])
+    build.op("Cast", [total], _output(build), to=onnx.TensorProto.FLOAT)  # rewrites run before any float16 conversion
+
+
+def _extreme_positions(build, x, axes, op_type):
+    """(ties, nan, has_nan), all bool and shaped like x or its slices with kept dims: where x
+    equals its slice's ReduceMax/ReduceMin, where x is NaN, whether the slice holds a NaN.
+
+    torch's max/min/amax/amin return NaN for a slice holding one; ONNX Runtime's ReduceMax
+    and ArgMax skip a NaN unless it comes first, so NaN is handled explicitly.
+    """
+    nan = build.op("IsNaN", [x])
+    any_nan = build.reduce("ReduceMax", build.op("Cast", [nan], to=onnx.TensorProto.FLOAT), axes, 1)
+    has_nan = _compare(build, "Greater", any_nan, 0.0)
+    ties = build.op("Equal", [x, build.reduce(op_type, x, axes, 1)])
+    return ties, nan, has_nan
+
+
+def first_extreme(build, x, axis, keepdims, op_type, output=None):
+    """torch.max(x, dim) / torch.min(x, dim): (values, indices) at the first extreme along
+    ``axis`` (the first NaN if there is one), which alone gets the gradient, as in torch."""
+    ties, nan, has_nan = _extreme_positions(build, x, [axis], op_type)
+    at_nan, at_ties = build.op("And", [has_nan, nan]), build.op("And", [build.op("Not", [has_nan]), ties])
+    positions = build.op("Cast", [build.op("Or", [at_nan, at_ties])], to=onnx.TensorProto.FLOAT)
+    indices = build.op("ArgMax", [positions], axis=axis, keepdims=1)  # the first of the 1s
+    if keepdims:
+        return build.op("GatherElements", [x, indices], output, axis=axis), indices
+    values = build.op("GatherElements", [x, indices], axis=axis)
+    return build.squeeze(values, [axis], output), build.squeeze(indices, [axis])
 
 
 def reduce_extreme(build):
-    """ReduceMax/ReduceMin with torch.amax's gradient: shared evenly among the tied extremes."""
+    """ReduceMax/ReduceMin with torch.amax/amin's value and gradient: shared evenly among the
+    tied extremes (the tie mask selects with Where: a multiplication by it turned a slice
+    holding -inf, as masked attention scores do, into NaN); a slice holding NaN gives NaN
+    and, as torch's 0/0 tie count does, a NaN gradient to each of its elements.
+
+    torch.max(x, dim) / min(x, dim), whose gradient goes to the first extreme only, are
+    exported by symbolics.py as first_extreme, never as ReduceMax: so a ReduceMax next to an
+    ArgMax of the same axis comes from amax + argmax and keeps amax's gradient. Ties of more
+    than two values that are not exactly divisible by their count may round an ulp off.
+    """
     x = build.node.input[0]
     axes, keepdims = build.reduce_axes()
-    extreme = build.reduce(build.node.op_type, x, axes, 1)
-    mask = build.op("Cast", [build.op("Equal", [x, extreme])], to=onnx.TensorProto.FLOAT)
-    picked = build.reduce("ReduceSum", build.op("Mul", [x, mask]), axes, keepdims)
-    build.op("Div", [picked, build.reduce("ReduceSum", mask, axes, keepdims)], _output(build))
+    ties, _, has_nan = _extreme_positions(build, x, axes, build.node.op_type)
+    count = build.reduce("ReduceSum", build.op("Cast", [ties], to=onnx.TensorProto.FLOAT), axes, 1)
+    picked = where(build, build.op("Or", [ties, has_nan]), x, 0.0)
+    shares = build.op("Div", [picked, where(build, has_nan, float("nan"), count)])
+    build.reduce("ReduceSum", shares, axes, keepdims, _output(build))
 
 
 def reduce_sum_square(build):
@@ -386,42 +657,115 @@ def variadic_mean(build):
     build.op("Mul", [total, build.const(1.0 / len(build.node.input))], _output(build))
 
 
+# Taylor coefficients of sinh(x) / x and cosh(x) in x^2, up to the x^8 term: on |x| < 1/2
+# the first omitted term is below 1.2e-8 relative (a tenth of an ulp).
+_SINH_OVER_X = [1.0, 1 / 6, 1 / 120, 1 / 5040, 1 / 362880]
+_COSH = [1.0, 1 / 2, 1 / 24, 1 / 720, 1 / 40320]
+_SERIES_BELOW = 0.5
+_SHIFTED_FROM = 44.0  # exp(a - 44) from here on; a - 44 is exact for 44 <= a < 128
+
+
+def _half_exp(build, a):
+    """exp(a) / 2 for a >= 0, finite up to exp(a) = 2 * FLT_MAX (where sinh and cosh overflow;
+    exp(a) alone overflows from 88.7) and with a gradient that overflows no earlier: from 44
+    on it is exp(a - 44) * (exp(44) / 2), never exp(a) or exp(a / 2)^2, whose gradients
+    pass through 2 * exp(a) / 2 before halving."""
+    shifted = _compare(build, "GreaterOrEqual", a, _SHIFTED_FROM)
+    low = build.op("Mul", [build.op("Exp", [where(build, shifted, 0.0, a)]), build.const(0.5)])
+    high_exponent = build.op("Sub", [where(build, shifted, a, _SHIFTED_FROM), build.const(_SHIFTED_FROM)])
+    high = build.op("Mul", [build.op("Exp", [high_exponent]), build.const(np.exp(_SHIFTED_FROM) / 2)])
+    return where(build, shifted, high, low)
+
+
+def _hyperbolic(build, x, odd, output):
+    """sinh (``odd``) or cosh of x, to float32 accuracy in value and gradient.
+
+    Below |x| = 1/2 a Taylor polynomial: (exp(x) -/+ exp(-x)) / 2 cancels there, for
+    sinh's value and cosh's gradient (sinh(1e-30) would be 0). From 1/2 on, h -/+ 1 / (4h)
+    with h = exp(|x|) / 2 (_half_exp), finite up to sinh's own overflow at 89.4 (exp(x)
+    overflowed from 88.7). Each branch reads only its own inputs (see where).
+    """
+    negative, magnitude = _magnitude(build, x)
+    near = _compare(build, "Less", magnitude, _SERIES_BELOW)
+    small = where(build, near, x, 0.0)
+    square = build.op("Mul", [small, small])
+    if odd:
+        series = build.op("Mul", [small, _polynomial(build, square, _SINH_OVER_X)])
+    else:
+        series = _polynomial(build, square, _COSH)
+    half = _half_exp(build, where(build, near, _SERIES_BELOW, magnitude))
+    reciprocal = build.op("Div", [build.const(0.25), half])
+    exponentials = build.op("Sub" if odd else "Add", [half, reciprocal])
+    if odd:
+        exponentials = _with_sign(build, negative, exponentials)
+    return where(build, near, series, exponentials, output)
+
+
 def sinh(build):
-    x = build.node.input[0]
-    difference = build.op("Sub", [build.op("Exp", [x]), build.op("Exp", [build.op("Neg", [x])])])
-    build.op("Mul", [difference, build.const(0.5)], _output(build))
+    _hyperbolic(build, build.node.input[0], True, _output(build))
 
 
 def cosh(build):
-    x = build.node.input[0]
-    total = build.op("Add", [build.op("Exp", [x]), build.op("Exp", [build.op("Neg", [x])])])
-    build.op("Mul", [total, build.const(0.5)], _output(build))
+    _hyperbolic(build, build.node.input[0], False, _output(build))
+
+
+# From here on sqrt(x^2 ± 1) = |x| in float32 (to 3e-8), so asinh and acosh are log(2|x|):
+# no overflow of x^2 (beyond 1.8e19) and gradient 1/|x|.
+_LOGARITHMIC_FROM = 4096.0
+
+
+def _log_twice(build, x):
+    """log(2x) as log(x) + log 2 (2x would overflow for x beyond FLT_MAX / 2)."""
+    return build.op("Add", [build.op("Log", [x]), build.const(np.log(2.0))])
 
 
 def asinh(build):
-    x = build.node.input[0]
-    root = build.op("Sqrt", [build.op("Add", [build.op("Mul", [x, x]), build.const(1.0)])])
-    build.op("Log", [build.op("Add", [x, root])], _output(build))
+    """asinh(x) = sign(x) * log1p(a + a^2 / (1 + sqrt(1 + a^2))), a = |x| (no cancellation:
+    log(x + sqrt(x^2 + 1)) lost every digit for x << 0 and near 0); log(a) + log 2 from
+    a = 4096 on. Gradient 1 at 0 (|x| is a Where)."""
+    negative, magnitude = _magnitude(build, build.node.input[0])
+    large = _compare(build, "GreaterOrEqual", magnitude, _LOGARITHMIC_FROM)
+    a = where(build, large, 0.0, magnitude)
+    square = build.op("Mul", [a, a])
+    root = build.op("Sqrt", [build.op("Add", [square, build.const(1.0)])])
+    shift = build.op("Add", [a, build.op("Div", [square, build.op("Add", [root, build.const(1.0)])])])
+    logarithmic = _log_twice(build, where(build, large, magnitude, _LOGARITHMIC_FROM))
+    _with_sign(build, negative, where(build, large, logarithmic, log1p(build, shift)), _output(build))
 
 
 def acosh(build):
+    """acosh(x) = log1p(d + sqrt(d) * sqrt(x + 1)) with d = x - 1, exact near 1 (gradient +inf
+    at 1, as torch); log(x) + log 2 from x = 4096 on. NaN below 1 as torch; torch's gradient
+    there is NaN too on (-1, 1) but finite below -1, where this one is NaN."""
     x = build.node.input[0]
-    root = build.op("Sqrt", [build.op("Sub", [build.op("Mul", [x, x]), build.const(1.0)])])
-    build.op("Log", [build.op("Add", [x, root])], _output(build))
+    large = _compare(build, "GreaterOrEqual", x, _LOGARITHMIC_FROM)
+    near = where(build, large, 2.0, x)
+    excess = build.op("Sub", [near, build.const(1.0)])
+    root = build.op("Mul", [build.op("Sqrt", [excess]), build.op("Sqrt", [build.op("Add", [near, build.const(1.0)])])])
+    logarithmic = _log_twice(build, where(build, large, x, _LOGARITHMIC_FROM))
+    where(build, large, logarithmic, log1p(build, build.op("Add", [excess, root])), _output(build))
 
 
 def atanh(build):
+    """atanh(x) = (log1p(x) - log1p(-x)) / 2: no cancellation near 0 (log((1 + x) / (1 - x))
+    was 0 below 6e-8), ±inf at ±1 with gradient +inf, NaN beyond (gradient -1 / (x^2 - 1),
+    torch's)."""
     x = build.node.input[0]
-    ratio = build.op("Div", [build.op("Add", [build.const(1.0), x]), build.op("Sub", [build.const(1.0), x])])
-    build.op("Mul", [build.op("Log", [ratio]), build.const(0.5)], _output(build))
+    difference = build.op("Sub", [log1p(build, x), log1p(build, build.op("Neg", [x]))])
+    build.op("Mul", [difference, build.const(0.5)], _output(build))
 
 
 def sign(build):
-    """sign(x) = [x > 0] - [x < 0]; its gradient is zero, as torch's."""
+    """sign(x) = [x > 0] - [x < 0] (NaN gives 0, as torch); its gradient is 0, as torch's.
+
+    A Where that never selects x keeps x on a (zero) gradient path, so that a weight read
+    only through sign gets a zero gradient, as in torch, instead of none.
+    """
     x = build.node.input[0]
-    positive = build.op("Cast", [build.op("Greater", [x, build.const(0.0)])], to=onnx.TensorProto.FLOAT)
-    negative = build.op("Cast", [build.op("Less", [x, build.const(0.0)])], to=onnx.TensorProto.FLOAT)
-    build.op("Sub", [positive, negative], _output(build))
+    positive = build.op("Cast", [_compare(build, "Greater", x, 0.0)], to=onnx.TensorProto.FLOAT)
+    negative = build.op("Cast", [_compare(build, "Less", x, 0.0)], to=onnx.TensorProto.FLOAT)
+    never = where(build, _compare(build, "Less", x, -np.inf), x, 0.0)
+    build.op("Add", [build.op("Sub", [positive, negative]), never], _output(build))
 
 
 def _einsum_terms(build):
@@ -510,6 +854,7 @@ REWRITES = {
     "HardSigmoid": hard_sigmoid,
     "HardSwish": hard_swish,
     "PRelu": prelu,
+    "BatchNormalization": inference_batch_norm,
     "InstanceNormalization": instance_normalization,
     "AveragePool": average_pool,
     "Resize": nearest_upsample,
@@ -582,12 +927,22 @@ def opset(model: onnx.ModelProto) -> int:
     return next(entry.version for entry in model.opset_import if entry.domain in ("", "ai.onnx"))
 
 
+def _is_target(node: onnx.NodeProto, only_between, opset_version: int) -> bool:
+    """Whether ``rewrite_for_training`` replaces ``node``: an op with a rewrite on a gradient
+    path; an inference-mode BatchNormalization anywhere (ONNX Runtime's training optimizer
+    breaks it off the path too, see inference_batch_norm)."""
+    if node.op_type == "BatchNormalization":
+        return not _batch_norm_trains(node, opset_version)
+    return node.op_type in REWRITES and (only_between is None or node.name in only_between)
+
+
 def rewrite_for_training(model: onnx.ModelProto, only_between=None) -> list:
     """Replace, in place, every node whose op type has a rewrite; return the rewritten node names.
 
-    ``only_between`` (a set of node names) limits the rewrite to nodes on a gradient path.
+    ``only_between`` (a set of node names) limits the rewrite to nodes on a gradient path
+    (inference-mode BatchNormalization excepted, see ``_is_target``).
     """
-    targets = [node for node in model.graph.node if node.op_type in REWRITES and (only_between is None or node.name in only_between)]
+    targets = [node for node in model.graph.node if _is_target(node, only_between, opset(model))]
     if not targets:
         return []
     return replace_nodes(model, REWRITES, targets, static_shapes(model), _constants(model))

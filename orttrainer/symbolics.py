@@ -1,17 +1,21 @@
-"""ONNX symbolics for torch ops the TorchScript exporter cannot export at our opsets.
+"""ONNX symbolics for torch ops the TorchScript exporter cannot export, or exports unlike torch.
 
-``register()`` adds them to torch's exporter once (only for ops it has no symbolic for),
-so models using these losses and layers export without any change to user code. Each is
+``exporting()`` registers them with torch's exporter for the duration of one export, so
+models using these losses and layers export without any change to user code. Each is
 written with ops that onnxruntime-training can differentiate, and matches torch's value
-and gradient (tests/test_rewrites.py).
+and gradient, also at boundary values (tests/test_rewrites.py, tests/test_boundary_values.py).
 """
 
 import contextlib
 
+import numpy as np
 import torch
 from torch.onnx import symbolic_helper
+from torch.onnx._internal.torchscript_exporter import registration
+from torch.onnx._internal.torchscript_exporter import utils as exporter_utils
 
-from .options import MIN_OPSET
+from . import rewrites
+from .options import MAX_OPSET, MIN_OPSET
 
 _REDUCTIONS = {0: None, 1: "ReduceMean", 2: "ReduceSum"}
 
@@ -26,56 +30,146 @@ def _reduce(g, loss, reduction):
     return loss if op is None else g.op(op, loss, keepdims_i=0)
 
 
-def _relu(g, x):
-    return g.op("Relu", x)
+def _attribute_suffix(value) -> str:
+    """The exporter's attribute type suffix: f (float, floats), s (str), i (int, bool, ints)."""
+    sample = value[0] if isinstance(value, (list, tuple)) and value else value
+    return "s" if isinstance(sample, str) else "f" if isinstance(sample, float) else "i"
 
 
-def _abs_difference(g, x, target):
-    return g.op("Abs", g.op("Sub", x, target))
+class _ExportGraph(rewrites.OpEmitter):
+    """rewrites' formulas (log1p, first_extreme, detached) emitting into torch's export graph."""
+
+    def __init__(self, g):
+        self.g, self.opset = g, g.opset
+
+    def op(self, op_type, inputs, output=None, **attributes):  # torch names the outputs
+        suffixed = {f"{name}_{_attribute_suffix(value)}": value for name, value in attributes.items()}
+        return self.g.op(op_type, *inputs, **suffixed)
+
+    def const(self, value, dtype=np.float32):
+        return self.g.op("Constant", value_t=torch.from_numpy(np.array(value, dtype=dtype)))
 
 
-def _softplus(g, x):
-    """log(1 + exp(x)), stable for large |x|."""
-    tail = g.op("Log", g.op("Add", g.op("Exp", g.op("Neg", g.op("Abs", x))), _constant(g, 1.0)))
-    return g.op("Add", _relu(g, x), tail)
+def _clamp_min(build, x, low):
+    """torch's clamp_min: gradient 1 from ``low`` on (at ``low`` too), 0 below; NaN stays NaN, gradient 0."""
+    below = rewrites.where(build, build.op("Less", [x, build.const(low)]), low, float("nan"))
+    return rewrites.where(build, build.op("GreaterOrEqual", [x, build.const(low)]), x, below)
+
+
+@symbolic_helper.parse_args("v", "f", "f")
+def softplus(g, x, beta, threshold):
+    """torch's softplus: x where beta * x > threshold, else log(1 + exp(beta * x)) / beta.
+
+    torch's own symbolic drops ``threshold`` (ONNX's Softplus has none): with a small one,
+    every x beyond threshold / beta got the curve's value and gradient instead of x and 1.
+    The Softplus op is rewritten for training (rewrites.softplus).
+    """
+    scaled = x if beta == 1 else g.op("Mul", x, _constant(g, beta))
+    curve = g.op("Softplus", scaled)
+    if beta != 1:
+        curve = g.op("Div", curve, _constant(g, beta))
+    return g.op("Where", g.op("Greater", scaled, _constant(g, threshold)), x, curve)
+
+
+def _l1_distance(build, x, target):
+    """|x - target| with torch's l1_loss gradient sign(x - target): 0 at 0, and 0 at NaN,
+    where ONNX Runtime's Abs gives NaN (the loss is NaN either way)."""
+    difference = build.op("Sub", [x, target])
+    nan = build.op("IsNaN", [difference])
+    return rewrites.where(build, nan, float("nan"), build.op("Abs", [rewrites.where(build, nan, 0.0, difference)]))
 
 
 @symbolic_helper.parse_args("v", "v", "i")
 def l1_loss(g, x, target, reduction):
-    return _reduce(g, _abs_difference(g, x, target), reduction)
+    return _reduce(g, _l1_distance(_ExportGraph(g), x, target), reduction)
 
 
-def _quadratic_then_linear(g, distance, knee):
-    """0.5 m^2 + knee * (d - m) with m = min(d, knee): the Huber curve, smooth at the knee."""
-    clipped = g.op("Sub", distance, _relu(g, g.op("Sub", distance, _constant(g, knee))))
-    quadratic = g.op("Mul", g.op("Mul", clipped, clipped), _constant(g, 0.5))
-    return g.op("Add", quadratic, g.op("Mul", g.op("Sub", distance, clipped), _constant(g, knee)))
+def _huber(build, x, target, knee):
+    """d^2 / 2 below the knee, knee * (d - knee / 2) from it on, d = |x - target|.
+
+    torch's branches (the knee takes the linear one: gradient ±knee there), each computed
+    from its own d (see rewrites.where). One formula d^2/2 - (d - m)^2/2-style, m = min(d, knee),
+    made the gradient a difference of knee-sized terms (0 for |d| < 1e-8) and gave
+    inf - inf = NaN at d = inf.
+    """
+    distance = build.op("Abs", [build.op("Sub", [x, target])])
+    below = build.op("Less", [distance, build.const(knee)])
+    near, far = rewrites.where(build, below, distance, 0.0), rewrites.where(build, below, knee, distance)
+    quadratic = build.op("Mul", [build.op("Mul", [near, near]), build.const(0.5)])
+    linear = build.op("Mul", [build.op("Sub", [far, build.const(knee / 2)]), build.const(knee)])
+    return rewrites.where(build, below, quadratic, linear)
 
 
 @symbolic_helper.parse_args("v", "v", "i", "f")
 def smooth_l1_loss(g, x, target, reduction, beta):
-    distance = _abs_difference(g, x, target)
+    build = _ExportGraph(g)
     if beta == 0:
-        return _reduce(g, distance, reduction)
-    return _reduce(g, g.op("Div", _quadratic_then_linear(g, distance, beta), _constant(g, beta)), reduction)
+        return _reduce(g, _l1_distance(build, x, target), reduction)
+    return _reduce(g, build.op("Div", [_huber(build, x, target, beta), build.const(beta)]), reduction)
 
 
 @symbolic_helper.parse_args("v", "v", "i", "f")
 def huber_loss(g, x, target, reduction, delta):
-    return _reduce(g, _quadratic_then_linear(g, _abs_difference(g, x, target), delta), reduction)
+    return _reduce(g, _huber(_ExportGraph(g), x, target, delta), reduction)
 
 
-def _clamped_log(g, x):
-    """log(x) clamped below at -100, as torch's binary_cross_entropy does."""
-    return g.op("Sub", _relu(g, g.op("Add", g.op("Log", x), _constant(g, 100.0))), _constant(g, 100.0))
+_BCE_EPSILON = 1e-12  # torch's binary_cross_entropy_backward divides by max(p (1 - p), this)
+_DENORMAL_SCALE = 2.0**24
+
+
+def _log_with_denormals(build, p):
+    """log(p), also for denormal p (ONNX Runtime's Log flushes them: log(1e-45) = -87.3, not -103.3)."""
+    denormal = build.op("Less", [p, build.const(np.finfo(np.float32).tiny)])
+    scaled = build.op("Mul", [p, rewrites.where(build, denormal, _DENORMAL_SCALE, 1.0)])
+    shift = rewrites.where(build, denormal, float(np.log(_DENORMAL_SCALE)), 0.0)
+    return build.op("Sub", [build.op("Log", [scaled]), shift])
+
+
+def _bce_value(build, p, target, clamp):
+    """-(t log p + (1 - t) log1p(-p)), each log clamped below at -100 if ``clamp`` (torch's;
+    the clamped one is for saturated p, which may be denormal)."""
+    logs = [_log_with_denormals(build, p) if clamp else build.op("Log", [p]), rewrites.log1p(build, build.op("Neg", [p]))]
+    if clamp:
+        logs = [build.op("Max", [log, build.const(-100.0)]) for log in logs]
+    positive = build.op("Mul", [target, logs[0]])
+    negative = build.op("Mul", [build.op("Sub", [build.const(1.0), target]), logs[1]])
+    return build.op("Neg", [build.op("Add", [positive, negative])])
+
+
+def _bce_saturated(build, p, target):
+    """torch's binary cross-entropy where p (1 - p) < 1e-12: its value, but torch's gradient
+    (p - t) / 1e-12, not the logarithms' (-1/p, or NaN from 0/0 at p = 0 or 1).
+
+    The gradient is that of G = (s^2 / 2 - (t - p0) s) / 1e-12 with s = p - p0 and p0 the
+    nearer of 0 and 1 (|G| stays below |t| + 1); the value is G + (value - G) with the
+    bracket detached (rewrites.detached), so it is torch's up to the rounding of that sum.
+    """
+    nearer = rewrites.where(build, build.op("Greater", [p, build.const(0.5)]), 1.0, 0.0)
+    s = build.op("Sub", [p, nearer])
+    slope = build.op("Sub", [target, nearer])
+    half_square = build.op("Mul", [build.op("Mul", [s, s]), build.const(0.5)])
+    surrogate = build.op("Div", [build.op("Sub", [half_square, build.op("Mul", [slope, s])]), build.const(_BCE_EPSILON)])
+    value = _bce_value(build, p, target, clamp=True)
+    return build.op("Add", [surrogate, rewrites.detached(build, build.op("Sub", [value, surrogate]))])
 
 
 @symbolic_helper.parse_args("v", "v", "v", "i")
 def binary_cross_entropy(g, probability, target, weight, reduction):
-    one = _constant(g, 1.0)
-    positive = g.op("Mul", target, _clamped_log(g, probability))
-    negative = g.op("Mul", g.op("Sub", one, target), _clamped_log(g, g.op("Sub", one, probability)))
-    loss = g.op("Neg", g.op("Add", positive, negative))
+    """torch's binary_cross_entropy, value and gradient, at every p in [0, 1].
+
+    Value -(t max(log p, -100) + (1 - t) max(log1p(-p), -100)), log1p as torch's (log(1 - p)
+    was 0 below p = 6e-8); gradient (p - t) / max(p (1 - p), 1e-12), which torch uses
+    instead of the logarithms' derivative: they differ where p (1 - p) < 1e-12 (saturated
+    probabilities, _bce_saturated). For soft targets the gradient -t/p + (1 - t)/(1 - p)
+    cancels near p = t, to within an ulp of its terms. p outside [0, 1], which torch
+    refuses, gives NaN.
+    """
+    build = _ExportGraph(g)
+    complement = build.op("Mul", [build.op("Sub", [build.const(1.0), probability]), probability])
+    saturated = build.op("Less", [complement, build.const(_BCE_EPSILON)])
+    inside = _bce_value(build, rewrites.where(build, saturated, 0.5, probability), target, clamp=False)
+    edge = _bce_saturated(build, rewrites.where(build, saturated, probability, 0.0), target)
+    loss = rewrites.where(build, saturated, edge, inside)
     if not symbolic_helper._is_none(weight):
         loss = g.op("Mul", loss, weight)
     return _reduce(g, loss, reduction)
@@ -83,7 +177,9 @@ def binary_cross_entropy(g, probability, target, weight, reduction):
 
 @symbolic_helper.parse_args("v", "v", "i")
 def soft_margin_loss(g, x, target, reduction):
-    return _reduce(g, _softplus(g, g.op("Neg", g.op("Mul", target, x))), reduction)
+    """log(1 + exp(-target x)) as ONNX Softplus, which the training graph rewrites (stable for
+    every -target x: torch's float32 loss overflows to inf, with a NaN gradient, beyond 88.7)."""
+    return _reduce(g, g.op("Softplus", g.op("Neg", g.op("Mul", target, x))), reduction)
 
 
 @symbolic_helper.parse_args("v", "v", "i", "i", "f", "i")
@@ -99,12 +195,14 @@ def poisson_nll_loss(g, x, target, log_input, full, eps, reduction):
 
 @symbolic_helper.parse_args("v", "v", "f", "i")
 def hinge_embedding_loss(g, x, target, margin, reduction):
-    """target == 1: x; target == -1: max(0, margin - x) (torch's rule for other values too)."""
-    one = _constant(g, 1.0)
-    not_positive = g.op("Sub", one, g.op("Cast", g.op("Equal", target, one), to_i=1))
-    not_negative = g.op("Sub", one, g.op("Cast", g.op("Equal", target, _constant(g, -1.0)), to_i=1))
-    margin_part = g.op("Mul", not_positive, _relu(g, g.op("Sub", _constant(g, margin), x)))
-    return _reduce(g, g.op("Add", margin_part, g.op("Mul", not_negative, x)), reduction)
+    """torch's where(target != 1, clamp_min(margin - x, 0), 0) + where(target != -1, x, 0)
+    (so x for target 1, the hinge for -1, their sum for other values), with Where: masks
+    multiplied in gave 0 * inf = NaN for x = ±inf, and Relu's gradient 0 at x = margin."""
+    build = _ExportGraph(g)
+    hinge = _clamp_min(build, build.op("Sub", [build.const(margin), x]), 0.0)
+    margin_part = rewrites.where(build, build.op("Equal", [target, build.const(1.0)]), 0.0, hinge)
+    self_part = rewrites.where(build, build.op("Equal", [target, build.const(-1.0)]), 0.0, x)
+    return _reduce(g, build.op("Add", [margin_part, self_part]), reduction)
 
 
 @symbolic_helper.parse_args("v", "v", "v", "v")
@@ -120,6 +218,24 @@ def bilinear(g, x1, x2, weight, bias):
     paired = g.op("Mul", g.op("Reshape", projected, split), symbolic_helper._unsqueeze_helper(g, x2, [-2]))
     result = symbolic_helper._reducesum_helper(g, paired, axes_i=[-1], keepdims_i=0)
     return result if symbolic_helper._is_none(bias) else g.op("Add", result, bias)
+
+
+def _extreme(onnx_op, torch_symbolic):
+    """aten::max / aten::min: with a dim, rewrites.first_extreme (values at the first extreme,
+    the first NaN if any, which alone gets the gradient, as in torch); other overloads (whole
+    tensor, elementwise) go to torch's own symbolic.
+
+    torch's symbolic exports max(x, dim) as ReduceMax (+ ArgMax, dropped when the indices are
+    unused), indistinguishable from amax, whose gradient is shared among ties.
+    """
+
+    def symbolic(g, x, dim_or_y=None, keepdim=None):
+        if keepdim is None:
+            return torch_symbolic(g, x, dim_or_y, keepdim)
+        dim = symbolic_helper._get_const(dim_or_y, "i", "dim")
+        return rewrites.first_extreme(_ExportGraph(g), x, dim, symbolic_helper._get_const(keepdim, "i", "keepdim"), onnx_op)
+
+    return symbolic
 
 
 def _unary(onnx_op):
@@ -152,6 +268,9 @@ def embedding(g, weight, indices, padding_idx, scale_grad_by_freq, sparse):
 
 _SYMBOLICS = {
     "embedding": embedding,
+    "softplus": softplus,
+    "max": _extreme("ReduceMax", symbolic_helper._max_helper),
+    "min": _extreme("ReduceMin", symbolic_helper._min_helper),
     "sinh": _unary("Sinh"),
     "cosh": _unary("Cosh"),
     "asinh": _unary("Asinh"),
@@ -168,13 +287,51 @@ _SYMBOLICS = {
 }
 
 
+_OPSETS = range(MIN_OPSET, MAX_OPSET + 1)
+
+
+def _custom_symbolics() -> dict:
+    """{aten op: {opset: custom symbolic}} for orttrainer's ops as torch's registry holds them
+    now (None: no entry at all). Reads the registry's private state: torch's public API can
+    register and unregister custom symbolics, but not list them."""
+    exporter_utils._trigger_symbolic_function_registration()  # torch's own symbolics, otherwise added at the first export
+    saved = {}
+    for name in _SYMBOLICS:
+        group = registration.registry.get_function_group(f"aten::{name}")
+        saved[name] = None if group is None else dict(group._functions._overrides)
+    return saved
+
+
+def _restore(saved: dict) -> None:
+    """Put back the custom symbolics ``_custom_symbolics`` saved for the opsets orttrainer registered."""
+    for name, overrides in saved.items():
+        if overrides is None:
+            registration.registry._registry.pop(f"aten::{name}", None)  # the entry orttrainer created
+            continue
+        group = registration.registry.get_function_group(f"aten::{name}")
+        for version in _OPSETS:
+            if version in overrides:
+                group.add_custom(overrides[version], version)
+            else:
+                group.remove_custom(version)
+
+
 @contextlib.contextmanager
 def exporting():
-    """orttrainer's symbolics registered with torch's TorchScript exporter for one export, then removed."""
+    """orttrainer's symbolics registered with torch's TorchScript exporter for the exports in
+    this block; afterwards torch's registry is as it was.
+
+    orttrainer's symbolic wins over one the user registered for the same aten op, during
+    this block only: the trainer's graph has to compute what torch computes (a user's
+    symbolic is written for inference elsewhere, e.g. an op of another runtime). The user's
+    is registered again on exit. They are registered at every opset orttrainer exports at,
+    so that neither torch's symbolics for a later opset nor a user's shadow them.
+    """
+    saved = _custom_symbolics()
     for name, function in _SYMBOLICS.items():
-        torch.onnx.register_custom_op_symbolic(f"aten::{name}", function, MIN_OPSET)
+        for version in _OPSETS:
+            torch.onnx.register_custom_op_symbolic(f"aten::{name}", function, version)
     try:
         yield
     finally:
-        for name in _SYMBOLICS:
-            torch.onnx.unregister_custom_op_symbolic(f"aten::{name}", MIN_OPSET)
+        _restore(saved)

@@ -259,3 +259,90 @@ def test_an_op_that_cannot_be_rewritten_is_named():
     trainer = ORTTrainer(model, None, optim.SGDConfig(), loss_fn=F.mse_loss, options=cpu_options())
     with pytest.raises(GradientBuildError, match=r"Einsum node '/model/Einsum'.*needs reshapes"):
         trainer.train_step(vectors(torch.Generator()), torch.randn(6, 1))
+
+
+class FrozenNorm(nn.Module):
+    """Conv -> BatchNorm2d in eval() (running statistics, trainable affine) -> ReLU -> Linear, in train()."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.norm = nn.BatchNorm2d(3)
+        self.head = nn.Linear(3 * 4 * 4, 2)
+        with torch.no_grad():
+            self.norm.running_mean.copy_(torch.tensor([0.5, -1.0, 2.0]))
+            self.norm.running_var.copy_(torch.tensor([0.25, 4.0, 1e-3]))
+            self.norm.weight.copy_(torch.tensor([1.5, -0.5, 2.0]))
+            self.norm.bias.copy_(torch.tensor([0.1, 0.0, -0.3]))
+        self.norm.eval()
+
+    def forward(self, x):
+        return self.head(torch.relu(self.norm(self.conv(x))).flatten(1))
+
+
+def test_batch_norm_in_eval_inside_a_training_model_uses_and_keeps_running_statistics():
+    """A BatchNorm the user put in eval() normalizes with its running statistics, which stay
+    unchanged; conv, scale and bias get torch's gradients (ONNX Runtime's optimizer would turn
+    it into a training-mode BatchNormInternal: batch statistics, running ones overwritten)."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 2, 4, 4, generator=generator), torch.randn(4, 2, generator=generator)) for _ in range(2)]
+    options = cpu_options({"debug": {"check_against_torch": "off"}})  # compared step by step here
+    trainer, _ = run_parity(FrozenNorm(), batches, optim.SGDConfig(lr=0.5), lambda p: torch.optim.SGD(p, lr=0.5),
+                            loss_fn=F.mse_loss, options=options)  # fmt: skip
+    assert "BatchNormalization" in {node.op_type for node in trainer._onnx_model.graph.node}
+    state = trainer.state_dict(pytorch_format=True)
+    torch.testing.assert_close(state["norm.running_mean"], torch.tensor([0.5, -1.0, 2.0]), rtol=0, atol=0)
+    torch.testing.assert_close(state["norm.running_var"], torch.tensor([0.25, 4.0, 1e-3]), rtol=0, atol=0)
+
+
+def _export_ops(function, x, opset=17):
+    """The ONNX op types torch's TorchScript exporter emits for ``function(x)``."""
+    import io
+    import warnings
+
+    class Wrapped(nn.Module):
+        def forward(self, x):
+            return function(x)
+
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the exporter's deprecation notice
+        torch.onnx.export(Wrapped(), (x,), buffer, dynamo=False, opset_version=opset)
+    return [node.op_type for node in onnx.load_from_string(buffer.getvalue()).graph.node]
+
+
+def test_exporting_registers_orttrainers_symbolics_for_one_export_only():
+    """Inside symbolics.exporting() orttrainer's symbolics win, also over ones the user
+    registered; afterwards torch's registry is as before: the user's symbolics are back,
+    ops torch cannot export fail as they did, and torch's own symbolics apply again."""
+    from torch.onnx.errors import UnsupportedOperatorError
+
+    from orttrainer import symbolics
+
+    x = torch.randn(3, 4)
+    l1 = lambda h: F.l1_loss(h, torch.zeros_like(h))  # noqa: E731
+    huber = lambda h: F.huber_loss(h, torch.zeros_like(h))  # noqa: E731
+    maximum = lambda h: torch.max(h, 1).values  # noqa: E731
+    with pytest.raises(UnsupportedOperatorError):
+        _export_ops(huber, x)
+    assert _export_ops(maximum, x) == ["ReduceMax"]
+    torch.onnx.register_custom_op_symbolic("aten::softplus", lambda g, h, beta, threshold: g.op("Relu", h), 9)
+    torch.onnx.register_custom_op_symbolic("aten::l1_loss", lambda g, h, target, reduction: g.op("Neg", h), 12)
+    try:
+        with symbolics.exporting():
+            with symbolics.exporting():  # nested: leaves the outer block's registrations
+                pass
+            assert "Where" in _export_ops(F.softplus, x)
+            assert "IsNaN" in _export_ops(l1, x)
+            assert "Abs" in _export_ops(huber, x)
+            assert "GatherElements" in _export_ops(maximum, x, opset=18)  # torch has its own max at opset 18
+        assert _export_ops(F.softplus, x) == ["Relu"]
+        assert _export_ops(l1, x)[-1] == "Neg"
+    finally:
+        torch.onnx.unregister_custom_op_symbolic("aten::softplus", 9)
+        torch.onnx.unregister_custom_op_symbolic("aten::l1_loss", 12)
+    assert _export_ops(F.softplus, x) == ["Softplus"]
+    assert _export_ops(maximum, x) == ["ReduceMax"]
+    with pytest.raises(UnsupportedOperatorError):  # not another error from an entry orttrainer left behind
+        _export_ops(huber, x)

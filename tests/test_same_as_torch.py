@@ -136,6 +136,22 @@ def test_model_without_parameters_is_refused_clearly():
 
 
 # ------------------------------------------------------------------ batch norm
+def test_frozen_batchnorm_in_a_training_model_keeps_its_statistics_like_torch():
+    """Fine-tuning recipe: the backbone's BatchNorm in eval() (running statistics used and kept),
+    its affine weights still trained, the rest of the model in train()."""
+    torch.manual_seed(0)
+    model = CNN()
+    with torch.no_grad():
+        model.features[1].running_mean.uniform_(-0.5, 0.5)
+        model.features[1].running_var.uniform_(0.5, 2.0)
+    model.features[1].eval()
+    frozen_mean = model.features[1].running_mean.clone()
+    trainer, reference = run_parity(model, batches(cnn_batch), optim.SGDConfig(lr=0.1), sgd, loss_fn=F.cross_entropy)
+    state = trainer.state_dict(pytorch_format=True)
+    torch.testing.assert_close(state["features.1.running_mean"], frozen_mean, rtol=0, atol=0)
+    assert int(state["features.1.num_batches_tracked"]) == 0 and int(state["features.5.num_batches_tracked"]) == 3
+
+
 def test_batchnorm_over_one_value_per_channel_is_refused_and_changes_nothing():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))

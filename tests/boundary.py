@@ -1,0 +1,174 @@
+"""Run the training graph the trainer builds for one op, and compare it with torch in float64.
+
+The graph goes through ``graph.build_training_graphs`` exactly as in the trainer (rewrites,
+ONNX Runtime's optimizer and gradient builder, fast CPU kernels) and runs once in ONNX
+Runtime. The reference is torch autograd in float64 on the same float32 inputs, rounded to
+float32; an element also passes when it equals torch's own float32 result, because torch's
+float32 and float64 kernels disagree in places (the gradient of ELU at NaN is 1 in
+float32, NaN in float64; asinh's gradient at 1e20 is 0 in float32, where x * x overflows).
+Loss = sum(outputs * upstream), so each input's gradient is the op's vector-Jacobian
+product with ``upstream``.
+"""
+
+import io
+import warnings
+
+import numpy as np
+import onnx
+import onnxruntime
+import torch
+from onnx import helper, numpy_helper
+
+from orttrainer import graph, symbolics
+
+FLOAT32 = np.finfo(np.float32)
+LOSS = "loss"
+# float32 spacings allowed between a value and the float64 result rounded to float32
+ULPS = 8
+# absolute slack under every comparison: ONNX Runtime's kernels may flush denormals to 0
+FLOOR = float(FLOAT32.tiny)
+
+
+def edge_values(*extra):
+    """0, -0, ±1e-30, ±a denormal, ±1, ±1e4, ±1e30, ±FLT_MAX, ±inf, NaN, then ``extra``."""
+    magnitudes = [1e-30, 1e-40, 1.0, 1e4, 1e30, float(FLOAT32.max), np.inf]
+    values = [0.0, -0.0] + [sign * magnitude for magnitude in magnitudes for sign in (1, -1)] + [np.nan]
+    return np.array(values + list(extra), np.float32)
+
+
+def spread(low, high, count=41):
+    """``count`` values spaced evenly in log scale over [low, high], with both signs."""
+    magnitudes = np.logspace(np.log10(low), np.log10(high), count)
+    return np.concatenate([magnitudes, -magnitudes]).astype(np.float32)
+
+
+def upstream_like(shape):
+    """Distinct gradient weights, so that a permuted or misrouted gradient shows."""
+    return (1.0 + np.arange(int(np.prod(shape))).reshape(shape) % 7 / 8).astype(np.float32)
+
+
+def torch_reference(function, inputs: dict, upstream, differentiable, dtype=torch.float64):
+    """(output, {name: gradient}) of ``function(**inputs)`` computed in ``dtype`` for the names in ``differentiable``."""
+    tensors = {name: torch.tensor(np.asarray(value), dtype=dtype if np.asarray(value).dtype.kind == "f" else None,
+                                  requires_grad=name in differentiable)
+               for name, value in inputs.items()}  # fmt: skip
+    output = function(**tensors)
+    (output * torch.as_tensor(upstream, dtype=dtype)).sum().backward()
+    gradients = {name: tensors[name].grad.numpy() for name in differentiable}
+    return output.detach().numpy(), gradients
+
+
+def single_op_model(op_type, input_names, values: dict, upstream, attributes=None, domain="", opset=17, constants=None,
+                    before=()):  # fmt: skip
+    """values (initializers) -> op(``input_names``) -> output; loss = sum(output * upstream).
+
+    ``constants`` are initializers that stay constants (axes, indices, labels); ``before``
+    are unary ops applied to the first input first (a Relu before a MaxPool). Each value
+    passes an Identity first: ONNX Runtime 1.19's gradient builder emits a duplicate
+    ``<weight>_grad`` when one node reads a graph input twice.
+    """
+    nodes = [helper.make_node("Identity", [name], [f"{name}.read"], name=f"{name}.read") for name in values]
+    reads = [f"{name}.read" if name in values else name for name in input_names]
+    for before_op in before:
+        nodes.append(helper.make_node(before_op, [reads[0]], [f"{reads[0]}.{before_op}"], name=f"{reads[0]}.{before_op}"))
+        reads[0] = f"{reads[0]}.{before_op}"
+    nodes += [
+        helper.make_node(op_type, reads, ["output"], name=op_type, domain=domain, **(attributes or {})),
+        helper.make_node("Mul", ["output", "upstream"], ["weighted"], name="weighted"),
+        helper.make_node("ReduceSum", ["weighted"], [LOSS], name=LOSS, keepdims=0),
+    ]
+    arrays = {**values, **(constants or {}), "upstream": np.asarray(upstream, np.float32)}
+    initializers = [numpy_helper.from_array(np.asarray(value), name) for name, value in arrays.items()]
+    outputs = [helper.make_tensor_value_info(LOSS, onnx.TensorProto.FLOAT, []), helper.make_empty_tensor_value_info("output")]
+    opsets = [helper.make_opsetid("", opset)] + ([helper.make_opsetid(domain, 1)] if domain else [])
+    return helper.make_model(helper.make_graph(nodes, op_type, [], outputs, initializers), opset_imports=opsets, ir_version=8)
+
+
+def exported_model(function, values: dict, upstream, trainable, opset=17):
+    """torch ``function(**values)`` exported under orttrainer's symbolics; the ``trainable``
+    values are parameters (initializers named after them), loss = sum(output * upstream)."""
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            for name, value in values.items():
+                tensor = torch.tensor(np.asarray(value))
+                if name in trainable:
+                    self.register_parameter(name, torch.nn.Parameter(tensor))
+                else:
+                    self.register_buffer(name, tensor)
+            self.register_buffer("upstream", torch.tensor(np.asarray(upstream, np.float32)))
+
+        def forward(self):
+            output = function(**{name: getattr(self, name) for name in values})
+            return (output * self.upstream).sum(), output
+
+    buffer = io.BytesIO()
+    with symbolics.exporting(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice; tracer warnings on constants
+        torch.onnx.export(Wrapped(), (), buffer, dynamo=False, opset_version=opset, do_constant_folding=False,
+                          output_names=[LOSS, "output"])  # fmt: skip
+    return onnx.load_from_string(buffer.getvalue())
+
+
+def run_training_graph(model, values: dict, trainable):
+    """Build the trainer's training graph for ``model`` and run it once: ({output or
+    ``<name>_grad``: array}, the training graph)."""
+    frozen = [name for name in values if name not in trainable]
+    graphs = graph.build_training_graphs(model, list(trainable), frozen, LOSS, [LOSS, "output"], fast_cpu_kernels=True)
+    session = onnxruntime.InferenceSession(graphs.train.SerializeToString(), providers=["CPUExecutionProvider"])
+    wanted = {graph_input.name for graph_input in session.get_inputs()}
+    results = session.run(None, {name: np.asarray(value) for name, value in values.items() if name in wanted})
+    return dict(zip([output.name for output in session.get_outputs()], results)), graphs.train
+
+
+def _matches(actual, expected, ulps, floor):
+    """Per element: ``actual`` equals ``expected`` rounded to float32 (NaN for NaN, the same
+    infinity, or within ``ulps`` float32 spacings at the expected magnitude plus ``floor``)."""
+    with np.errstate(over="ignore"):
+        rounded = np.asarray(expected).astype(np.float32)
+    finite = np.isfinite(actual) & np.isfinite(rounded)
+    magnitude = np.minimum(np.where(finite, np.abs(rounded), 0), np.float32(2.0**127))  # FLT_MAX's spacing is inf
+    slack = ulps * np.spacing(magnitude.astype(np.float32)).astype(np.float64) + floor
+    close = finite & (np.abs(actual - np.where(finite, rounded, 0)) <= slack)
+    return close | (np.isnan(actual) & np.isnan(rounded)) | (~finite & (actual == rounded))
+
+
+def assert_like_torch(actual, expected, expected_float32, what, ulps=ULPS, floor=FLOOR, inputs=None, unchecked=None):
+    """Every element of ``actual`` matches torch's float64 result ``expected`` or its float32
+    one, except where the mask ``unchecked`` holds."""
+    actual = np.asarray(actual, np.float64)
+    assert actual.shape == np.shape(expected), f"{what}: shape {actual.shape}, torch {np.shape(expected)}"
+    same = _matches(actual, expected, ulps, floor) | _matches(actual, expected_float32, ulps, floor)
+    if unchecked is not None:
+        same |= unchecked
+    if not same.all():
+        shown = [f"at {tuple(int(i) for i in index)}"
+                 + (f" input {np.asarray(inputs)[tuple(index)]!r}" if np.shape(inputs) == actual.shape else "")
+                 + f": {actual[tuple(index)]!r}, torch {np.asarray(expected)[tuple(index)]!r}"
+                 f" (float32 {np.asarray(expected_float32)[tuple(index)]!r})"
+                 for index in np.argwhere(~same)[:6]]  # fmt: skip
+        raise AssertionError(f"{what} differs from torch in {int((~same).sum())} places:\n  " + "\n  ".join(shown))
+
+
+def check_against_torch(model, reference, values: dict, trainable, upstream, ulps=ULPS, floor=FLOOR):
+    """Run ``model``'s training graph and torch's ``reference(**values)``; compare the output
+    and the gradient of each of ``trainable``. Returns the training graph.
+
+    The gradient at an input that is NaN itself is not compared (the value there is): torch
+    has no single answer, its kernels give NaN on their vectorized path and a branch's
+    derivative on their scalar one (ELU's is 1 on a tensor of 6 elements, NaN on one of 60).
+    """
+    results, train = run_training_graph(model, values, trainable)
+    expected, gradients = torch_reference(reference, values, upstream, trainable)
+    expected32, gradients32 = torch_reference(reference, values, upstream, trainable, torch.float32)
+    assert_like_torch(results["output"], expected, expected32, "value", ulps, floor, values[trainable[0]])
+    for name in trainable:
+        gradient = results[f"{name}_grad"].reshape(np.shape(gradients[name]))
+        assert_like_torch(gradient, gradients[name], gradients32[name], f"gradient of {name}", ulps, floor, values[name],
+                          np.isnan(np.asarray(values[name], np.float64)))  # fmt: skip
+    return train
+
+
+def op_types(model) -> set:
+    return {node.op_type for node in model.graph.node}

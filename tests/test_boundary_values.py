@@ -1,0 +1,443 @@
+"""Every rewrite, symbolic and fast CPU kernel against torch in float64, at boundary values.
+
+Each case builds the training graph the trainer builds (boundary.py: rewrites, ONNX
+Runtime's gradient builder, CPU kernels) and compares its output and gradients with torch
+autograd in float64 rounded to float32: at 0, ±tiny (1e-30, denormals), ±large (1e4, 1e30,
+FLT_MAX, beyond each op's overflow point), ±inf, NaN, ties, kinks and branch switches.
+
+Tolerance: ``boundary.ULPS`` float32 spacings at the expected value's magnitude, plus the
+smallest normal float32 (ONNX Runtime may flush denormal results to 0); cases that need
+more say why. An element also passes when it equals torch's float32 result, and gradients
+at inputs that are NaN themselves are not compared (boundary.check_against_torch says why).
+Known, documented differences from torch are left out of the inputs and named where they apply.
+"""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from boundary import (FLOAT32, FLOOR, ULPS, check_against_torch, edge_values, exported_model, op_types, run_training_graph,
+                      single_op_model, spread, torch_reference, upstream_like)  # fmt: skip
+
+from orttrainer import graph
+
+KINKS = [3.0, -3.0, 2.9999998, -2.9999998, 3.0000002, -3.0000002]
+
+# op: (attributes, torch function, inputs beyond edge_values())
+UNARY = {
+    "Softplus": ({}, F.softplus, [*spread(1e-8, 100), -17.0, -20.0, -88.0, -90.0, -104.0, 20.0, 89.0]),
+    "Elu": ({"alpha": 0.7}, lambda x: F.elu(x, 0.7), [*spread(1e-8, 100), -1.0, -0.99999994, -1.0000001]),
+    "Celu": ({"alpha": 0.5}, lambda x: F.celu(x, 0.5), [*spread(1e-8, 100), -0.5, -0.49999997]),
+    "Selu": ({}, F.selu, [*spread(1e-8, 100), -1.0]),
+    "HardSigmoid": ({"alpha": 1 / 6}, F.hardsigmoid, [*spread(1e-3, 10), *KINKS]),
+    "HardSwish": ({}, F.hardswish, [*spread(1e-3, 10), *KINKS]),
+    "Sinh": ({}, torch.sinh, [*spread(1e-8, 100), 0.49999997, 0.5, 43.999996, 44.0, 88.7, 89.0, 89.41, 89.42]),
+    "Cosh": ({}, torch.cosh, [*spread(1e-8, 100), 0.49999997, 0.5, 43.999996, 44.0, 88.7, 89.0, 89.41, 89.42]),
+    "Asinh": ({}, torch.asinh, [*spread(1e-8, 1e30), 4095.9998, 4096.0, 1.8e19, 1e20]),
+    "Sign": ({}, torch.sign, []),
+}
+# inputs of their own: the domain is [1, inf) or [-1, 1]. Out of the domain torch's value is
+# NaN, as here; its gradient is still finite below -1 for acosh (NaN here, see rewrites.acosh).
+DOMAIN = {
+    "Acosh": (torch.acosh, [1.0, 1.0000001, 1.5, 2.0, 4095.9998, 4096.0, 1.8e19, 1e20, 3e38, np.inf, np.nan, 0.5, 0.0,
+                            *np.logspace(0, 30, 31)]),
+    "Atanh": (torch.atanh, [0.0, -0.0, 1e-30, -1e-30, 1e-40, 1e-8, -1e-8, 0.5, -0.5, 0.99999994, -0.99999994, 1.0, -1.0,
+                            2.0, -2.0, np.nan, *np.linspace(-0.999, 0.999, 37)]),
+}
+
+
+def _unary_case(op_type, attributes, function, x, ulps=ULPS, floor=FLOOR, domain=""):
+    model = single_op_model(op_type, ["x"], {"x": x}, np.ones_like(x), attributes, domain=domain)
+    return check_against_torch(model, lambda x: function(x), {"x": x}, ["x"], np.ones_like(x), ulps, floor)
+
+
+@pytest.mark.parametrize("op_type", UNARY)
+def test_unary_rewrite(op_type):
+    attributes, function, extra = UNARY[op_type]
+    train = _unary_case(op_type, attributes, function, edge_values(*extra))
+    assert op_type not in op_types(train), f"{op_type} was not rewritten"
+
+
+@pytest.mark.parametrize("op_type", DOMAIN)
+def test_rewrite_on_its_domain(op_type):
+    function, values = DOMAIN[op_type]
+    train = _unary_case(op_type, {}, function, np.array(values, np.float32))
+    assert op_type not in op_types(train), f"{op_type} was not rewritten"
+
+
+def test_prelu_slope_and_input():
+    x = np.stack([edge_values(-1.0, 2.0)] * 6).reshape(2, 3, -1)
+    slope = np.array([[0.25], [-0.5], [0.0]], np.float32)
+    upstream = upstream_like(x.shape)
+    model = single_op_model("PRelu", ["x", "slope"], {"x": x, "slope": slope}, upstream)
+    check_against_torch(model, lambda x, slope: F.prelu(x, slope.reshape(-1)), {"x": x, "slope": slope}, ["x", "slope"],
+                        upstream)  # fmt: skip
+
+
+def _slices():
+    """Rows with a tie, masked scores (-inf), all -inf, +inf, NaN (first and later), signed zeros."""
+    inf, nan = np.inf, np.nan
+    return np.array([[1.0, 5.0, 5.0, 2.0], [-inf, -inf, 0.5, -inf], [-inf, -inf, -inf, -inf], [inf, 1.0, inf, -inf],
+                     [1.0, nan, 2.0, nan], [nan, 3.0, 1.0, 3.0], [0.0, -0.0, -1.0, -0.0], [7.0, 7.0, 7.0, 7.0]], np.float32)  # fmt: skip
+
+
+@pytest.mark.parametrize("op_type", ["ReduceMax", "ReduceMin"])
+@pytest.mark.parametrize("axes, keepdims, opset", [([1], 0, 17), ([0], 1, 17), ([1], 1, 18), (None, 0, 17)])
+def test_reduce_extreme_like_amax(op_type, axes, keepdims, opset):
+    """torch.amax/amin: ties share the gradient, slices holding ±inf give no NaN, a slice
+    holding NaN gives NaN (value, and gradient to each of its elements, as torch)."""
+    x = _slices()
+    reference = torch.amax if op_type == "ReduceMax" else torch.amin
+    dims = tuple(axes) if axes is not None else tuple(range(x.ndim))
+    expected_shape = reference(torch.tensor(x), dim=dims, keepdim=bool(keepdims)).shape
+    upstream = upstream_like(expected_shape)
+    attributes, inputs, constants = {"keepdims": keepdims}, ["x"], {}
+    if axes is not None and opset >= 18:
+        inputs, constants = ["x", "axes"], {"axes": np.array(axes, np.int64)}
+    elif axes is not None:
+        attributes["axes"] = axes
+    model = single_op_model(op_type, inputs, {"x": x}, upstream, attributes, opset=opset, constants=constants)
+    check_against_torch(model, lambda x: reference(x, dim=dims, keepdim=bool(keepdims)), {"x": x}, ["x"], upstream)
+
+
+@pytest.mark.parametrize("function", [lambda x: torch.max(x, 1).values, lambda x: torch.min(x, 0, keepdim=True).values,
+                                      lambda x: torch.max(x, -1).values + torch.max(x, -1).indices],
+                         ids=["max(dim)", "min(dim, keepdim)", "max(dim) with indices"])  # fmt: skip
+def test_max_min_with_dim_send_the_gradient_to_the_first_extreme(function):
+    """torch.max/min(x, dim): the value at the first extreme (first NaN), which alone gets the gradient."""
+    x = _slices()
+    upstream = upstream_like(function(torch.tensor(x)).shape)
+    model = exported_model(function, {"x": x}, upstream, ["x"])
+    check_against_torch(model, function, {"x": x}, ["x"], upstream)
+
+
+def _reductions():
+    x = np.array([[1.0, -2.0, 0.0], [1e-30, -1e-30, 0.0], [1e19, 2e19, -1e19], [np.inf, 1.0, 2.0], [0.0, -0.0, 0.0]], np.float32)
+    return {
+        "ReduceSumSquare": (lambda x: (x * x).sum(1), x),
+        "ReduceL1": (lambda x: x.abs().sum(1), x),
+        "ReduceLogSum": (lambda x: x.sum(1).log(), np.abs(x)),
+    }
+
+
+@pytest.mark.parametrize("op_type", list(_reductions()))
+def test_other_reductions(op_type):
+    function, x = _reductions()[op_type]
+    upstream = upstream_like([x.shape[0]])
+    model = single_op_model(op_type, ["x"], {"x": x}, upstream, {"axes": [1], "keepdims": 0})
+    check_against_torch(model, function, {"x": x}, ["x"], upstream)
+
+
+@pytest.mark.parametrize("op_type", ["Sum", "Mean"])
+def test_variadic_sum_and_mean_broadcast(op_type):
+    values = {"a": np.array([[1.0, np.inf, -1e-30], [2.0, -np.inf, 3e38]], np.float32),
+              "b": np.array([0.5, 1.0, 3e38], np.float32), "c": np.array([1e-30], np.float32)}  # fmt: skip
+    upstream = upstream_like([2, 3])
+    model = single_op_model(op_type, list(values), values, upstream)
+
+    def reference(a, b, c):
+        total = a + b + c
+        return total if op_type == "Sum" else total / 3
+
+    check_against_torch(model, reference, values, list(values), upstream)
+
+
+@pytest.mark.parametrize("axis, reverse, exclusive", [(1, 0, 0), (1, 1, 0), (1, 0, 1), (1, 1, 1), (0, 0, 0)])
+def test_cumsum_spreads_inf_and_nan_only_forward(axis, reverse, exclusive):
+    """inf and NaN reach only later positions; sums as exact as torch's (float64 accumulation: 1e8 + 1 - 1e8 = 1)."""
+    x = np.array([[1.0, np.inf, 2.0, np.nan, 3.0, -1e-30, 4.0], [1e8, 1.0, -1e8, 2.0, -np.inf, 0.5, 0.25]], np.float32)
+    upstream = upstream_like(x.shape)
+
+    def reference(x):
+        flipped = x.flip(axis) if reverse else x
+        total = torch.cumsum(flipped, axis)
+        if exclusive:
+            total = total - flipped  # torch has no exclusive cumsum; equal here away from inf and NaN
+        return total.flip(axis) if reverse else total
+
+    model = single_op_model("CumSum", ["x", "axis"], {"x": x}, upstream, {"reverse": reverse, "exclusive": exclusive},
+                            constants={"axis": np.array(axis, np.int64)})  # fmt: skip
+    finite = np.where(np.isfinite(x), x, 1.0) if exclusive else x  # x - x is NaN at inf: compare exclusive on finite values
+    check_against_torch(model, reference, {"x": finite}, ["x"], upstream)
+
+
+EINSUM = {
+    "bi,ij->bj": [(3, 4), (4, 2)],
+    "bij,bjk->bik": [(2, 1, 3), (2, 3, 2)],
+    "bi,bi->b": [(3, 4), (3, 4)],
+    "bi,j->bij": [(3, 1), (2,)],
+    "bij->bj": [(2, 3, 4)],
+}
+
+
+@pytest.mark.parametrize("equation", EINSUM)
+def test_einsum(equation):
+    generator = np.random.default_rng(0)
+    values = {f"x{index}": (generator.standard_normal(shape) * 1e4).astype(np.float32) for index, shape in enumerate(EINSUM[equation])}
+    values["x0"].reshape(-1)[0] = 1e-30
+    expected = torch.einsum(equation, *(torch.tensor(value) for value in values.values()))
+    upstream = upstream_like(expected.shape)
+    model = single_op_model("Einsum", list(values), values, upstream, {"equation": equation})
+    # an output or gradient sums products of 1e4-sized factors: within a few ulps of those terms
+    check_against_torch(model, lambda **tensors: torch.einsum(equation, *tensors.values()), values, list(values), upstream,
+                        floor=4e-3)  # fmt: skip
+
+
+@pytest.mark.parametrize("rows", [[[3.0, 3.0, 3.0, 3.0], [0.0, 0.0, 0.0, 0.0]], [[1e-30, -1e-30, 2e-30, 0.0], [1e-40, 0.0, 0.0, 0.0]],
+                                  [[1e18, -1e18, 3e18, 0.0], [-1e4, 1e4, 0.0, 1.0]], [[0.0, 1.0, -1.0, 0.5], [1.0, 2.0, 3.0, 4.0]]],
+                         ids=["constant", "tiny", "large", "plain"])  # fmt: skip
+def test_instance_normalization(rows):
+    """Variance 0 and 1e-60 (epsilon decides), 1e36, ordinary; scale and bias trained too."""
+    x = np.array(rows, np.float32)[:, None, :]
+    values = {"x": x, "scale": np.array([-2.0], np.float32), "bias": np.array([0.5], np.float32)}
+    upstream = upstream_like(x.shape)
+    model = single_op_model("InstanceNormalization", ["x", "scale", "bias"], values, upstream, {"epsilon": 1e-5})
+    reference = lambda x, scale, bias: F.instance_norm(x, weight=scale, bias=bias, eps=1e-5)  # noqa: E731
+    # gradients are sums that cancel, of terms |upstream * normalized x| <= 4 (scale's) and |scale * upstream| / std
+    # (x's): a few ulps of those
+    terms = 2.0 * upstream.max() * max(2.0, 1 / np.sqrt(x.astype(np.float64).var(-1).min() + 1e-5))
+    floor = ULPS * FLOAT32.eps * terms
+    check_against_torch(model, reference, values, list(values), upstream, floor=floor)
+
+
+@pytest.mark.parametrize("attributes", [{"kernel_shape": [2, 2], "strides": [2, 2]},
+                                        {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "count_include_pad": 0},
+                                        {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "count_include_pad": 1}])  # fmt: skip
+def test_average_pool(attributes):
+    x = np.arange(32, dtype=np.float32).reshape(1, 2, 4, 4) - 16
+    x[0, 0, 0, 0], x[0, 1, 3, 3], x[0, 1, 0, 1] = np.inf, 1e30, 1e-30
+    padding = attributes.get("pads", [0])[0]
+    reference = lambda x: F.avg_pool2d(x, attributes["kernel_shape"], attributes.get("strides", 1), padding,  # noqa: E731
+                                       count_include_pad=bool(attributes.get("count_include_pad", 0)))  # fmt: skip
+    upstream = upstream_like(reference(torch.tensor(x)).shape)
+    model = single_op_model("AveragePool", ["x"], {"x": x}, upstream, attributes)
+    check_against_torch(model, reference, {"x": x}, ["x"], upstream)
+
+
+def _with_specials(shape):
+    x = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    x.reshape(-1)[:4] = [np.nan, np.inf, -1e-30, -0.0]
+    return x
+
+
+@pytest.mark.parametrize("factor, modes", [(2, ("asymmetric", "floor")), (3, ("asymmetric", "floor")),
+                                           (3, ("half_pixel", "round_prefer_ceil")),
+                                           (2, ("pytorch_half_pixel", "round_prefer_floor"))])  # fmt: skip
+def test_nearest_resize(factor, modes):
+    x = _with_specials((1, 2, 2, 3))
+    reference = lambda x: F.interpolate(x, scale_factor=factor, mode="nearest")  # noqa: E731
+    upstream = upstream_like(reference(torch.tensor(x)).shape)
+    attributes = {"mode": "nearest", "coordinate_transformation_mode": modes[0], "nearest_mode": modes[1]}
+    scales = np.array([1, 1, factor, factor], np.float32)
+    model = single_op_model("Resize", ["x", "", "scales"], {"x": x}, upstream, attributes, constants={"scales": scales})
+    train = check_against_torch(model, reference, {"x": x}, ["x"], upstream)
+    assert "Resize" not in op_types(train)
+
+
+@pytest.mark.parametrize("modes", [("align_corners", "floor"), ("asymmetric", "ceil"), ("asymmetric", "round_prefer_floor")])
+def test_nearest_resize_that_does_not_repeat_values_is_refused(modes):
+    x = _with_specials((1, 1, 3, 3))
+    attributes = {"mode": "nearest", "coordinate_transformation_mode": modes[0], "nearest_mode": modes[1]}
+    model = single_op_model("Resize", ["x", "", "scales"], {"x": x}, 1.0, attributes,
+                            constants={"scales": np.array([1, 1, 3, 3], np.float32)})  # fmt: skip
+    with pytest.raises(graph.GradientBuildError, match="do not repeat each value"):
+        graph.build_training_graphs(model, ["x"], [], "loss", ["loss", "output"])
+
+
+def _pixel_unshuffle_onnx(x, block):
+    """ONNX SpaceToDepth's channel order: (row offset, column offset, channel)."""
+    n, c, h, w = x.shape
+    moved = x.reshape(n, c, h // block, block, w // block, block).permute(0, 3, 5, 1, 2, 4)
+    return moved.reshape(n, c * block * block, h // block, w // block)
+
+
+def _depth_to_space_dcr(x, block):
+    n, c, h, w = x.shape
+    moved = x.reshape(n, block, block, c // block**2, h, w).permute(0, 3, 4, 1, 5, 2)
+    return moved.reshape(n, c // block**2, h * block, w * block)
+
+
+@pytest.mark.parametrize("op_type, mode, shape, reference", [
+    ("DepthToSpace", "CRD", (1, 8, 2, 3), lambda x: F.pixel_shuffle(x, 2)),
+    ("DepthToSpace", "DCR", (1, 8, 2, 3), lambda x: _depth_to_space_dcr(x, 2)),
+    ("SpaceToDepth", None, (1, 2, 4, 6), lambda x: _pixel_unshuffle_onnx(x, 2)),
+])  # fmt: skip
+def test_depth_and_space_permutations(op_type, mode, shape, reference):
+    x = _with_specials(shape)
+    upstream = upstream_like(reference(torch.tensor(x)).shape)
+    attributes = {"blocksize": 2} | ({"mode": mode} if mode else {})
+    model = single_op_model(op_type, ["x"], {"x": x}, upstream, attributes)
+    check_against_torch(model, reference, {"x": x}, ["x"], upstream)
+
+
+@pytest.mark.parametrize("index, axis", [(1, 1), (-1, 1), (0, 0), (-2, 2)])
+def test_constant_index_gather(index, axis):
+    x = _with_specials((2, 3, 2))
+    reference = lambda x: x.select(axis, index)  # noqa: E731
+    upstream = upstream_like(reference(torch.tensor(x)).shape)
+    model = single_op_model("Gather", ["x", "index"], {"x": x}, upstream, {"axis": axis},
+                            constants={"index": np.array(index, np.int64)})  # fmt: skip
+    train = check_against_torch(model, reference, {"x": x}, ["x"], upstream)
+    assert "Gather" not in op_types(train)
+
+
+@pytest.mark.parametrize("opset", [12, 15])
+def test_inference_batch_norm_uses_running_statistics(opset):
+    """BatchNormalization in inference mode: normalized with the running statistics (never
+    trained, never written), torch's gradients for x, scale and bias; variance 0 included."""
+    x = np.array([[[1.0, 2.0], [3.0, -1e-30]], [[1e4, -1e4], [np.inf, 0.0]]], np.float32).transpose(1, 0, 2).copy()
+    values = {"x": x, "scale": np.array([2.0, -0.5], np.float32), "bias": np.array([0.1, 1.0], np.float32),
+              "mean": np.array([0.5, 1e4], np.float32), "var": np.array([0.0, 4.0], np.float32)}  # fmt: skip
+    upstream = upstream_like(x.shape)
+    attributes = {"epsilon": 1e-5} | ({"training_mode": 0} if opset >= 14 else {})
+    model = single_op_model("BatchNormalization", list(values), values, upstream, attributes, opset=opset)
+    reference = lambda x, scale, bias, mean, var: F.batch_norm(x, mean, var, scale, bias, False, 0.0, 1e-5)  # noqa: E731
+    train = check_against_torch(model, reference, values, ["x", "scale", "bias"], upstream)
+    assert not op_types(train) & {"BatchNormalization", "BatchNormInternal"}
+
+
+# ---------------------------------------------------------------- symbolics (torch export)
+def _targets(x, target):
+    return np.broadcast_to(np.asarray(target, np.float32), x.shape).copy()
+
+
+LOSSES = {
+    "l1_loss": (lambda x, t: F.l1_loss(x, t, reduction="none"), edge_values(), 0.0),
+    "smooth_l1_loss": (lambda x, t: F.smooth_l1_loss(x, t, reduction="none", beta=0.5), edge_values(0.5, -0.5, 0.49999997), 0.0),
+    "smooth_l1_loss (beta 0)": (lambda x, t: F.smooth_l1_loss(x, t, reduction="none", beta=0.0), edge_values(), 0.0),
+    "huber_loss": (lambda x, t: F.huber_loss(x, t, reduction="none", delta=2.0), edge_values(2.0, -2.0, 1.9999999), 0.0),
+    "soft_margin_loss": (lambda x, t: F.soft_margin_loss(x, t, reduction="none"), np.array([0.0, -0.0, *spread(1e-40, 700)],
+                                                                                            np.float32), 1.0),
+    "soft_margin_loss (target -1)": (lambda x, t: F.soft_margin_loss(x, t, reduction="none"), np.array([*spread(1e-40, 700)],
+                                                                                                        np.float32), -1.0),
+    "poisson_nll_loss": (lambda x, t: F.poisson_nll_loss(x, t, reduction="none"),
+                         np.array([0.0, 1e-30, -1e-30, 1.0, -1e4, 88.0, 89.0, 100.0, -np.inf, np.nan], np.float32), 2.0),
+    "poisson_nll_loss (log_input False)": (lambda x, t: F.poisson_nll_loss(x, t, log_input=False, reduction="none"),
+                                           np.array([0.0, 1e-30, 1e-8, 1.0, 1e4, 1e30, np.inf, np.nan], np.float32), 2.0),
+    "hinge_embedding_loss (target 1)": (lambda x, t: F.hinge_embedding_loss(x, t, margin=1.0, reduction="none"),
+                                        edge_values(1.0), 1.0),
+    "hinge_embedding_loss (target -1)": (lambda x, t: F.hinge_embedding_loss(x, t, margin=1.0, reduction="none"),
+                                         edge_values(1.0, 0.99999994), -1.0),
+    "hinge_embedding_loss (target 0.5)": (lambda x, t: F.hinge_embedding_loss(x, t, margin=1.0, reduction="none"),
+                                          edge_values(1.0), 0.5),
+    "softplus": (lambda x, t: F.softplus(x), edge_values(*spread(1e-8, 100), 20.0, 20.000002), 0.0),
+    "softplus (beta 2, threshold 1)": (lambda x, t: F.softplus(x, beta=2.0, threshold=1.0),
+                                       edge_values(*spread(1e-4, 100), 0.5, 0.50000006, 0.49999997), 0.0),
+    "softplus (beta -1, threshold 5)": (lambda x, t: F.softplus(x, beta=-1.0, threshold=5.0),
+                                        edge_values(*spread(1e-4, 100), -5.0, -5.0000005), 0.0),
+}
+
+
+@pytest.mark.parametrize("case", LOSSES)
+def test_exported_loss(case):
+    function, x, target = LOSSES[case]
+    values = {"x": x, "t": _targets(x, target)}
+    upstream = np.ones_like(x)
+    model = exported_model(function, values, upstream, ["x"])
+    check_against_torch(model, function, values, ["x"], upstream)
+
+
+def test_l1_loss_gradient_at_nan_is_torchs_zero():
+    """torch's l1_loss gradient is sign(x - target): 0 at NaN (a NaN batch leaves the weights finite)."""
+    x = np.array([np.nan, 1.0], np.float32)
+    values = {"x": x, "t": np.zeros_like(x)}
+    model = exported_model(lambda x, t: F.l1_loss(x, t, reduction="sum"), values, 1.0, ["x"])
+    np.testing.assert_array_equal(run_training_graph(model, values, ["x"])[0]["x_grad"], [0.0, 1.0])
+
+
+def test_soft_margin_loss_stays_finite_where_torch_overflows():
+    """A documented difference: torch computes log(1 + exp(-t x)), inf (gradient NaN) from
+    -t x = 88.7 in float32 and 709.8 in float64; here it is -t x (gradient -t), as in exact arithmetic."""
+    x = np.array([-1e3, -1e4, -1e30, -3.4e38, -np.inf], np.float32)
+    values = {"x": x, "t": np.ones_like(x)}
+    model = exported_model(lambda x, t: F.soft_margin_loss(x, t, reduction="none"), values, np.ones_like(x), ["x"])
+    results, _ = run_training_graph(model, values, ["x"])
+    np.testing.assert_array_equal(results["output"], -x)
+    np.testing.assert_array_equal(results["x_grad"], -np.ones_like(x))
+
+
+# probabilities: exact 0 and 1, saturated (p (1 - p) < 1e-12), its edge, log1p(-p) territory, interior
+PROBABILITIES = np.array([0.0, 1.0, 1e-45, 1e-30, 1e-20, 1e-13, 9.9e-13, 1.01e-12, 1e-8, 1e-6, 0.3, 0.5, 0.9, 0.99999994],
+                         np.float32)  # fmt: skip
+
+
+@pytest.mark.parametrize("target", [1.0, 0.0, 0.25])
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_binary_cross_entropy(target, reduction):
+    """torch's value (log clamped at -100, log1p(-p)) and torch's gradient (p - t) / max(p (1 - p), 1e-12)."""
+    p = PROBABILITIES
+    values = {"p": p, "t": _targets(p, target), "w": np.linspace(0.5, 2.0, p.size).astype(np.float32)}
+    function = lambda p, t, w: F.binary_cross_entropy(p, t, weight=w, reduction=reduction)  # noqa: E731
+    upstream = np.ones(p.shape if reduction == "none" else (), np.float32)
+    model = exported_model(function, values, upstream, ["p"])
+    # soft targets: -t/p + (1 - t)/(1 - p) cancels near p = t, to an ulp of its terms (up to ~2)
+    floor = FLOOR if target in (0.0, 1.0) else 1e-6
+    check_against_torch(model, function, values, ["p"], upstream, floor=floor)
+
+
+def test_bilinear_with_size_one_dimensions():
+    generator = np.random.default_rng(1)
+    values = {"a": generator.standard_normal((3, 1)).astype(np.float32), "b": generator.standard_normal((3, 2)).astype(np.float32),
+              "w": generator.standard_normal((4, 1, 2)).astype(np.float32), "bias": np.array([0, 1e-30, 1e30, -1], np.float32)}  # fmt: skip
+    upstream = upstream_like((3, 4))
+    function = lambda a, b, w, bias: F.bilinear(a, b, w, bias)  # noqa: E731
+    check_against_torch(exported_model(function, values, upstream, list(values)), function, values, list(values), upstream)
+
+
+# ---------------------------------------------------------------- fast CPU kernels
+def _masked_logits():
+    inf = np.inf
+    return np.array([[0.0, -inf, 1.0], [-inf, 2.0, -inf], [-inf, 0.0, 1e4], [1e-30, 0.0, -1e-30], [-inf, -inf, 5.0]], np.float32)
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("labels", [[2, 1, 0, 1, 2], [-1, 1, -1, 0, 2], [-1, -1, -1, -1, -1]], ids=["all counted", "ignored", "all ignored"])
+def test_softmax_cross_entropy(reduction, labels):
+    """-inf logits (masked classes, also at class 0 of ignored rows), ignored rows, all ignored."""
+    logits, labels = _masked_logits(), np.array(labels, np.int64)
+    function = lambda x, labels: F.cross_entropy(x, labels, ignore_index=-1, reduction=reduction)  # noqa: E731
+    upstream = upstream_like(function(torch.tensor(logits), torch.tensor(labels)).shape)
+    model = single_op_model("SoftmaxCrossEntropyLoss", ["x", "labels"], {"x": logits}, upstream,
+                            {"reduction": reduction, "ignore_index": -1}, constants={"labels": labels})  # fmt: skip
+    train = check_against_torch(model, lambda x: function(x, torch.tensor(labels)), {"x": logits}, ["x"], upstream)
+    assert not op_types(train) & {"SoftmaxCrossEntropyLoss", "SoftmaxCrossEntropyLossGrad"}
+
+
+def test_relu_gradient_kernel():
+    """ReluGrad replaced: 0 where x <= 0 (0 included, as torch), dy elsewhere."""
+    train = _unary_case("Relu", {}, F.relu, edge_values())
+    assert "ReluGrad" not in op_types(train)
+
+
+def test_relu_gradient_kernel_passes_the_gradient_at_nan():
+    """torch's threshold_backward passes the gradient where not x <= 0, NaN included (ReluGrad gave 0)."""
+    x = np.full(64, np.nan, np.float32)
+    results, train = run_training_graph(single_op_model("Relu", ["x"], {"x": x}, 2.0), {"x": x}, ["x"])
+    _, torch_gradients = torch_reference(lambda x: F.relu(x), {"x": x}, 2.0, ["x"], torch.float32)
+    np.testing.assert_array_equal(results["x_grad"], torch_gradients["x"])
+    assert "ReluGrad" not in op_types(train)
+
+
+def test_gelu_gradient_kernel():
+    """GeluGrad replaced. x Phi(x) and Phi(x) + x phi(x) cancel for x << 0 (Phi = (1 + erf)/2),
+    in torch's float32 kernel as in ONNX Runtime's: an absolute 1e-6 is allowed. ±inf are
+    left out: torch's float32 value and gradient are NaN there, float64's inf and NaN."""
+    x = edge_values(*spread(1e-8, 30))
+    train = _unary_case("Gelu", {}, F.gelu, x[np.isfinite(x) | np.isnan(x)], floor=1e-6, domain="com.microsoft")
+    assert "GeluGrad" not in op_types(train)
+
+
+@pytest.mark.parametrize("kernel, stride, pads", [(2, 2, 0), (3, 1, 1), (3, 2, 1)])
+@pytest.mark.parametrize("relu_first", [False, True])
+def test_max_pool_gradient(kernel, stride, pads, relu_first):
+    """MaxPoolGrad as a scatter (and ReLU -> MaxPool swapped): ties go to the first maximum,
+    overlapping windows add up, -inf windows. NaN is not tested: ONNX Runtime's MaxPool skips
+    NaN unless it comes first in a window, torch's returns it (forward op, not a rewrite)."""
+    x = np.array([[1.0, 1.0, 0.0, -1.0, 2.0], [-np.inf, -np.inf, 0.0, 0.0, 2.0], [3.0, -1e-30, 1e-30, 0.0, -0.0],
+                  [5.0, 5.0, 5.0, 5.0, 1e30], [-2.0, -3.0, -np.inf, -1.0, -1.0]], np.float32).reshape(1, 1, 5, 5)  # fmt: skip
+    function = lambda x: F.max_pool2d(F.relu(x) if relu_first else x, kernel, stride, pads)  # noqa: E731
+    upstream = upstream_like(function(torch.tensor(x)).shape)
+    attributes = {"kernel_shape": [kernel, kernel], "strides": [stride, stride], "pads": [pads] * 4}
+    model = single_op_model("MaxPool", ["x"], {"x": x}, upstream, attributes, before=["Relu"] if relu_first else [])
+    train = check_against_torch(model, function, {"x": x}, ["x"], upstream)
+    assert "MaxPoolGrad" not in op_types(train)
