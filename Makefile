@@ -2,7 +2,7 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test clean
+.PHONY: demo test bench coverage cuda clean
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,20 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest
+
+# the speed comparison; writes benchmarks/results/bench.{json,md,png} (BENCH_ARGS=--quick: a short check run)
+bench: $(VENV)/.installed
+	$(PY) benchmarks/bench.py $(BENCH_ARGS)
+
+# which layers train (the README table); fails and prints the new table if README.md's differs
+coverage: $(VENV)/.installed
+	$(PY) benchmarks/coverage.py --check README.md
+
+# the CUDA 11.8 libraries of onnxruntime-training's CUDA provider (a few GB, docs/gpu.md), then the GPU-path checks
+cuda: $(VENV)/.installed
+	$(PY) -m pip install -e '.[test,samples,cuda]'
+	$(PY) -m pytest -rs tests/test_gpu_path.py
+	$(PY) benchmarks/gpu_smoke.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -10,7 +10,25 @@ except ImportError as error:  # the plain onnxruntime package replaced onnxrunti
     ) from error
 
 from . import amp, checkpoint, optim
+from .checkpoint import CheckpointError
+from .distributed import RankWriteError
+from .export import ExportError
+from .graph import GradientBuildError, RunError
 from .options import ORTTrainerOptions
 from .trainer import ORTTrainer, TrainStepInfo
+from .verify import TorchMismatchError
 
-__all__ = ["ORTTrainer", "ORTTrainerOptions", "TrainStepInfo", "amp", "checkpoint", "optim"]
+__all__ = [
+    "ORTTrainer",
+    "ORTTrainerOptions",
+    "TrainStepInfo",
+    "amp",
+    "checkpoint",
+    "optim",
+    "CheckpointError",
+    "ExportError",
+    "GradientBuildError",
+    "RankWriteError",
+    "RunError",
+    "TorchMismatchError",
+]

@@ -1,5 +1,7 @@
 """Loss scalers for mixed-precision training (legacy ``amp.loss_scaler`` semantics)."""
 
+from ._arguments import _NUMBER, _check_argument, _is_positive
+
 
 class LossScaler:
     """Base class of loss scalers: holds the current scale and its initial value.
@@ -16,9 +18,8 @@ class LossScaler:
 
     @staticmethod
     def _check_scale(loss_scale):
-        assert isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool) and loss_scale > 0, (
-            f"'loss_scale' must be a positive number, got {loss_scale!r}"
-        )
+        _check_argument(loss_scale, _NUMBER, "'loss_scale' must be a positive number",
+                        "Pass a number > 0, e.g. loss_scale=65536.0 (2**16).", _is_positive)
 
     @property
     def input_name(self):
@@ -26,7 +27,8 @@ class LossScaler:
 
     @input_name.setter
     def input_name(self, input_name):
-        assert input_name is None or isinstance(input_name, str), "'input_name' must be a string"
+        _check_argument(input_name, (str, type(None)), "'input_name' must be a string",
+                        "Assign the name of the graph input that carries the loss scale (the trainer sets it).")
         self._input_name = input_name
 
     @property
@@ -46,6 +48,13 @@ class LossScaler:
         """Return the loss scale to use from now on, given the finished step."""
         raise NotImplementedError
 
+    def state_dict(self) -> dict:
+        """The scaler's position, so that a resumed run scales as the original (checkpoint key ``loss_scaler``)."""
+        return {"loss_scale": self.loss_scale}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loss_scale = float(state["loss_scale"])
+
 
 class DynamicLossScaler(LossScaler):
     """Halve the scale on overflow; double it after ``up_scale_window`` finite steps.
@@ -62,12 +71,15 @@ class DynamicLossScaler(LossScaler):
         max_loss_scale=float(1 << 24),
     ):
         super().__init__(loss_scale)
-        assert isinstance(automatic_update, bool), "'automatic_update' must be a bool"
-        assert isinstance(up_scale_window, int) and up_scale_window > 0, "'up_scale_window' must be a positive int"
-        assert isinstance(min_loss_scale, (int, float)) and min_loss_scale > 0, "'min_loss_scale' must be positive"
-        assert isinstance(max_loss_scale, (int, float)) and max_loss_scale >= min_loss_scale, (
-            "'max_loss_scale' must be at least 'min_loss_scale'"
-        )
+        _check_argument(automatic_update, bool, "'automatic_update' must be a bool",
+                        "Pass automatic_update=True (dynamic scaling) or False (a static loss scale).")
+        _check_argument(up_scale_window, int, "'up_scale_window' must be a positive int",
+                        "Pass the number of finite steps before the scale doubles, e.g. up_scale_window=2000.", _is_positive)
+        _check_argument(min_loss_scale, _NUMBER, "'min_loss_scale' must be positive",
+                        "Pass the smallest scale to fall back to, e.g. min_loss_scale=1.0.", _is_positive)
+        _check_argument(max_loss_scale, _NUMBER, f"'max_loss_scale' must be at least 'min_loss_scale' ({min_loss_scale})",
+                        "Pass max_loss_scale >= min_loss_scale, e.g. max_loss_scale=16777216.0 (2**24).",
+                        lambda value: value >= min_loss_scale)
         self.automatic_update = automatic_update
         self.up_scale_window = up_scale_window
         self.min_loss_scale = float(min_loss_scale)
@@ -77,6 +89,14 @@ class DynamicLossScaler(LossScaler):
     def reset(self):
         super().reset()
         self._stable_steps_count = 0
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "stable_steps": self._stable_steps_count}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if "stable_steps" in state:
+            self._stable_steps_count = int(state["stable_steps"])
 
     def update(self, train_step_info):
         if not self.automatic_update:

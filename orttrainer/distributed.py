@@ -3,9 +3,11 @@
 Works under ``torchrun`` (RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT in
 the environment) or with ranks given in ``options.distributed``. The process group is
 initialised here unless the user already did (gloo on the CPU, NCCL on CUDA), with a
-collective timeout so that a dead peer ends the job instead of hanging it.
+collective timeout so that a dead peer ends the job instead of hanging it; a group
+created here is destroyed when the process exits.
 """
 
+import atexit
 import hashlib
 import os
 from dataclasses import dataclass
@@ -50,7 +52,11 @@ def world_from(options) -> World:
 
 
 def ensure_process_group(world: World, device: torch.device) -> None:
-    """Join the process group (env:// rendezvous), unless the user already did."""
+    """Join the process group (env:// rendezvous), unless the user already did.
+
+    On CUDA the rank's GPU becomes torch's current device first: NCCL binds each rank's
+    communicator to the current device, and without it every rank would claim GPU 0.
+    """
     if dist.is_initialized():
         if dist.get_world_size() != world.size or dist.get_rank() != world.rank:
             raise ValueError(
@@ -58,8 +64,25 @@ def ensure_process_group(world: World, device: torch.device) -> None:
                 f"but the options say rank {world.rank} of {world.size}"
             )
         return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, rank=world.rank, world_size=world.size, timeout=COLLECTIVE_TIMEOUT)
+    atexit.register(_destroy_process_group)
+
+
+def _destroy_process_group() -> None:
+    """At exit, release the group this module created (NCCL warns about, and may hang on, a group left alive)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def join(world: World, settings, device: torch.device) -> "DataParallel":
+    """Join the process group and record the world in ``settings`` (options.distributed), as the legacy trainer did."""
+    settings.world_rank, settings.world_size, settings.local_rank = world.rank, world.size, world.local_rank
+    settings.data_parallel_size = world.size // settings.horizontal_parallel_size
+    ensure_process_group(world, device)
+    return DataParallel(world, settings.deepspeed_zero_optimization.stage)
 
 
 def broadcast(tensors, source: int = 0) -> None:

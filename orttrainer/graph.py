@@ -33,7 +33,7 @@ _OUTPUTS_NEEDED_BY_GRADIENT = {
     "MaxPool": 2,  # indices
 }
 
-# Ops measured to have no gradient builder in onnxruntime-training 1.19 (see DESIGN.md).
+# Ops measured to have no gradient builder in onnxruntime-training 1.19 (docs/stack_facts.md, "Gradient graphs").
 OPS_WITHOUT_GRADIENT = frozenset(
     """Softplus Elu Selu Celu PRelu HardSigmoid HardSwish Mish Softsign InstanceNormalization
     ReduceMax ReduceMin ReduceProd ReduceL1 ReduceLogSum ReduceSumSquare Sum Mean CumSum Einsum
@@ -359,16 +359,47 @@ def _split_embedding_lookups(model: onnx.ModelProto, trainable, marked) -> list:
     return found
 
 
-def _nodes_between(model: onnx.ModelProto, sources, target: str):
-    """Nodes on a floating-point path from any of ``sources`` to ``target``.
+@dataclass(frozen=True)
+class TensorFacts:
+    """What one ONNX shape inference says about a graph's tensors: element types and static shapes.
 
-    Integer tensors (shapes, indices) carry no gradient, so paths stop at them.
+    Inference walks the whole graph. A build infers its forward graph once and hands the result
+    to each question about that graph (which weights reach the loss, which nodes lie on gradient
+    paths, whether small convolutions dominate) instead of each question inferring it again.
+    Rewriting weights into graph inputs, naming nodes or dropping empty inputs changes no fact.
     """
+
+    elem_types: dict  # tensor name -> ONNX element type (0: unknown)
+    shapes: dict  # tensor name -> [size, or None where dynamic], initializers included
+
+
+def infer_tensor_facts(model: onnx.ModelProto) -> TensorFacts:
+    """One ONNX shape inference of ``model``, as TensorFacts."""
     inferred = onnx.shape_inference.infer_shapes(model).graph
     elem_types = {
         info.name: info.type.tensor_type.elem_type
         for info in list(inferred.value_info) + list(inferred.output) + list(inferred.input)
     }
+    shapes = _shapes_in(list(inferred.value_info) + list(inferred.input) + list(inferred.output))
+    shapes.update({initializer.name: list(initializer.dims) for initializer in model.graph.initializer})
+    return TensorFacts(elem_types, shapes)
+
+
+def _shapes_in(value_infos) -> dict:
+    """Tensor name -> shape of the value infos that have one (None for a dynamic dimension)."""
+    return {
+        info.name: [dim.dim_value if dim.HasField("dim_value") else None for dim in info.type.tensor_type.shape.dim]
+        for info in value_infos
+        if info.type.tensor_type.HasField("shape")
+    }
+
+
+def _nodes_between(model: onnx.ModelProto, sources, target: str, facts: TensorFacts = None):
+    """Nodes on a floating-point path from any of ``sources`` to ``target``.
+
+    Integer tensors (shapes, indices) carry no gradient, so paths stop at them.
+    """
+    elem_types = (facts or infer_tensor_facts(model)).elem_types
     downstream = set(sources)
     forward = []
     for node in model.graph.node:  # exported graphs are topologically sorted
@@ -384,19 +415,19 @@ def _nodes_between(model: onnx.ModelProto, sources, target: str):
     return list(reversed(on_path))
 
 
-def weights_reaching_loss(model: onnx.ModelProto, weight_names, loss_name: str) -> list:
+def weights_reaching_loss(model: onnx.ModelProto, weight_names, loss_name: str, facts: TensorFacts = None) -> list:
     """The weights read by some node on a path to the loss (the others get no gradient)."""
-    read = {name for node in _nodes_between(model, weight_names, loss_name) for name in _node_inputs(node)}
+    read = {name for node in _nodes_between(model, weight_names, loss_name, facts) for name in _node_inputs(node)}
     return [name for name in weight_names if name in read]
 
 
-def make_differentiable(model: onnx.ModelProto, weight_names, loss_name: str) -> None:
+def make_differentiable(model: onnx.ModelProto, weight_names, loss_name: str, facts: TensorFacts = None) -> None:
     """Rewrite (rewrites.py) the ops between weights and loss that have no usable gradient, then
     raise one GradientBuildError listing every op on that path that still has none.
 
     A rewrite keeps its node's inputs and outputs, so the path found before rewriting holds after.
     """
-    on_path = _nodes_between(model, weight_names, loss_name)
+    on_path = _nodes_between(model, weight_names, loss_name, facts)
     without_gradient = [(node.name, describe_node(node)) for node in on_path if node.op_type in OPS_WITHOUT_GRADIENT]
     try:
         rewritten = set(rewrites.rewrite_for_training(model, only_between={node.name for node in on_path}))
@@ -493,16 +524,18 @@ def _macs_per_sample(node: onnx.NodeProto, shapes: dict):
     return None if None in dims else int(np.prod(dims))
 
 
-def small_convolutions_dominate(model: onnx.ModelProto) -> bool:
+def small_convolutions_dominate(model: onnx.ModelProto, facts: TensorFacts = None) -> bool:
     """True when convolutions below ``SMALL_CONVOLUTION_MACS`` per image do most of the work.
 
     Such graphs (LeNet-sized CNNs) train faster with one intra-op thread: ONNX Runtime's
     CPU Conv and ConvGrad open a thread-pool section per image, and with spinning off
     each costs a wake-up of the second thread worth more than its share of the work.
+    The forward graph answers for the training and eval graphs built from it: they hold
+    the same Conv, Gemm and MatMul nodes on tensors of the same shapes.
     """
     if not any(node.op_type == "Conv" for node in model.graph.node):
         return False
-    shapes = rewrites.static_shapes(model)
+    shapes = (facts or infer_tensor_facts(model)).shapes
     small = total = 0
     for node in model.graph.node:
         macs = _macs_per_sample(node, shapes)
@@ -519,7 +552,8 @@ def _quiet_session_options() -> onnxruntime.SessionOptions:
 
 
 def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name: str, output_names,
-                          mixed_precision: bool = False, fast_cpu_kernels: bool = False, lookups=None) -> TrainingGraphs:
+                          mixed_precision: bool = False, fast_cpu_kernels: bool = False, lookups=None,
+                          facts: TensorFacts = None) -> TrainingGraphs:
     """Build the training graph (outputs, running stats, gradients) and the eval graph.
 
     ``forward`` is the forward+loss graph with weights as initializers; ``trainable``
@@ -527,7 +561,8 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     With ``mixed_precision`` both graphs compute in float16, and the gradients are those
     of the loss times the ``LOSS_SCALE_INPUT`` input. ``fast_cpu_kernels`` replaces kernels
     measured slow on the CPU by fast equivalents (``cpu_kernels``; float32 graphs only).
-    ``lookups`` ({Gather node name: export.EmbeddingLookup}) carry torch's embedding gradient rules.
+    ``lookups`` ({Gather node name: export.EmbeddingLookup}) carry torch's embedding gradient rules;
+    ``facts`` (``infer_tensor_facts(forward)``), when the caller has them, spare an inference.
     """
     model = _with_ir_version(copy.deepcopy(forward))
     name_unnamed_nodes(model.graph)
@@ -538,13 +573,14 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     if mixed_precision:
         eval_model = to_mixed_precision(eval_model, [loss_name])
 
-    make_differentiable(model, trainable, loss_name)
+    make_differentiable(model, trainable, loss_name, facts)
     if fast_cpu_kernels and not mixed_precision:
         cpu_kernels.pool_before_relu(model)
     input_names = {graph_input.name for graph_input in model.graph.input}
     running_statistics = _expose_running_statistics(model, input_names)
     embeddings = _split_embedding_lookups(model, set(trainable), lookups or {})
-    graph_trainable = weights_reaching_loss(model, trainable, loss_name)  # a weight only looked up no longer does
+    # a weight only looked up no longer does; inferred again: the rewrites added tensors the facts do not know
+    graph_trainable = weights_reaching_loss(model, trainable, loss_name)
     rows = [embedding.rows_gradient[: -len("_grad")] for embedding in embeddings]
     model.graph.output.extend(helper.make_empty_tensor_value_info(embedding.indices_output) for embedding in embeddings)
     gradient_of = loss_name
@@ -567,7 +603,13 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     elif fast_cpu_kernels:
         cpu_kernels.use_fast_cpu_kernels(train_model)
         cpu_kernels.use_fast_cpu_kernels(eval_model)
+    gradient_outputs = _order_outputs(train_model, trainable, graph_trainable, output_names, running_statistics, embeddings)
+    return TrainingGraphs(_with_ir_version(train_model), eval_model, gradient_outputs, running_statistics, embeddings)
 
+
+def _order_outputs(train_model, trainable, graph_trainable, output_names, running_statistics, embeddings) -> dict:
+    """Put the training graph's outputs in the documented order (module docstring); return
+    {weight: gradient output}. Every trainable weight must have its gradient (or embedding rows)."""
     gradient_outputs = {name: f"{name}_grad" for name in graph_trainable}
     by_name = {output.name: output for output in train_model.graph.output}
     looked_up = {embedding.weight for embedding in embeddings}
@@ -582,7 +624,7 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     train_model.graph.output.extend(
         by_name[name] if name in by_name else helper.make_empty_tensor_value_info(name) for name in ordered
     )
-    return TrainingGraphs(_with_ir_version(train_model), eval_model, gradient_outputs, running_statistics, embeddings)
+    return gradient_outputs
 
 
 def where_in_graph(model: onnx.ModelProto, names) -> dict:
@@ -660,9 +702,7 @@ def _shapes_at(model: onnx.ModelProto, sample_shapes: dict) -> dict:
             dim.dim_value = size
     inferred = onnx.shape_inference.infer_shapes(fixed, data_prop=True).graph
     shapes = {initializer.name: list(initializer.dims) for initializer in fixed.graph.initializer}
-    for info in list(inferred.value_info) + list(inferred.input) + list(inferred.output):
-        if info.type.tensor_type.HasField("shape"):
-            shapes[info.name] = [dim.dim_value if dim.HasField("dim_value") else None for dim in info.type.tensor_type.shape.dim]
+    shapes.update(_shapes_in(list(inferred.value_info) + list(inferred.input) + list(inferred.output)))
     return shapes
 
 

@@ -3,12 +3,15 @@
 The legacy form is a dict ``{"inputs": [(name, shape)], "outputs": [(name, shape[, is_loss])]}``
 where a string in a shape is a symbolic (dynamic) dimension. When the user gives no
 model_desc, one is inferred from the first batch and ``forward``'s signature.
+``match_inputs`` maps the arguments of a step to the graph's inputs, checked against it.
 """
 
 import inspect
 from collections import namedtuple
 
 import torch
+
+from ._arguments import _check_argument
 
 InputDescription = namedtuple("InputDescription", ["name", "shape"])
 InputDescriptionTyped = namedtuple("InputDescriptionTyped", ["name", "shape", "dtype"])
@@ -66,6 +69,15 @@ def validate_model_desc(model_desc):
         raise ValueError("Invalid model_desc: " + "; ".join(errors))
 
 
+def _check_index_and_dtype(kind, index, dtype, count):
+    """``index`` must be a non-negative int and ``dtype`` a torch.dtype (``kind``: 'input' or 'output')."""
+    _check_argument(index, int, f"{kind} index must be a non-negative int",
+                    f"Pass the position of the entry in model_desc.{kind}s (0..{count - 1}).",
+                    lambda value: 0 <= value < count)
+    _check_argument(dtype, torch.dtype, f"{kind} dtype must be a torch.dtype",
+                    "Pass a torch dtype such as torch.float32, not a numpy dtype or a string.")
+
+
 class _ORTTrainerModelDesc:
     """The validated model_desc: ``inputs`` and ``outputs`` as (typed) namedtuples."""
 
@@ -91,14 +103,12 @@ class _ORTTrainerModelDesc:
         return losses[0]
 
     def add_type_to_input_description(self, index, dtype):
-        assert isinstance(index, int) and index >= 0, "input index must be a non-negative int"
-        assert isinstance(dtype, torch.dtype), "input dtype must be a torch.dtype"
+        _check_index_and_dtype("input", index, dtype, len(self.inputs))
         name, shape = self.inputs[index][:2]
         self.inputs[index] = InputDescriptionTyped(name, shape, dtype)
 
     def add_type_to_output_description(self, index, dtype, dtype_amp=None):
-        assert isinstance(index, int) and index >= 0, "output index must be a non-negative int"
-        assert isinstance(dtype, torch.dtype), "output dtype must be a torch.dtype"
+        _check_index_and_dtype("output", index, dtype, len(self.outputs))
         name, shape, is_loss = self.outputs[index][:3]
         self.outputs[index] = OutputDescriptionTyped(name, shape, is_loss, dtype, dtype_amp)
 
@@ -156,3 +166,74 @@ def infer_model_desc(input_names, inputs, sample_outputs):
         for index, (name, tensor) in enumerate(zip([LOSS_NAME] + names, outputs))
     ]
     return {"inputs": desc_inputs, "outputs": desc_outputs}
+
+
+def match_inputs(args, kwargs, model_desc=None, model=None, has_label=False):
+    """The batch given to ``train_step``/``eval_step`` as (graph input names, tensors), checked.
+
+    A single list or tuple stands for the positional inputs. With a model_desc: positional
+    inputs, then keyword inputs in its order, each of its rank, sizes and dtype. Without:
+    positional inputs named by ``model.forward``'s signature, keywords by their own name, and
+    with ``has_label`` (a loss_fn is set) the label, last positional or keyword 'label', last.
+    """
+    if len(args) == 1 and isinstance(args[0], (list, tuple)):
+        args = tuple(args[0])
+    if model_desc is not None:
+        names, tensors = _in_desc_order(model_desc.inputs, args, kwargs)
+    else:
+        names, tensors = _named_by_forward(model, args, kwargs, has_label)
+    for name, tensor in zip(names, tensors):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"input '{name}' must be a torch.Tensor, got {type(tensor).__name__}")
+    if model_desc is not None:
+        _check_against_entries(model_desc.inputs, tensors)
+    return names, tensors
+
+
+def _in_desc_order(entries, args, kwargs):
+    names = [entry.name for entry in entries]
+    unknown = [name for name in kwargs if name not in names]
+    if unknown:
+        raise ValueError(f"unknown keyword inputs {unknown}; model_desc inputs are {names}")
+    tensors = list(args) + [kwargs[name] for name in names if name in kwargs]
+    if len(tensors) != len(names):
+        raise ValueError(f"expected {len(names)} inputs {names}, got {len(tensors)}")
+    return names, tensors
+
+
+def _named_by_forward(model, args, kwargs, has_label):
+    kwargs = dict(kwargs)
+    label = []
+    if has_label:
+        if LABEL_NAME in kwargs:
+            label = [kwargs.pop(LABEL_NAME)]
+        elif args:
+            args, label = args[:-1], [args[-1]]
+        else:
+            raise ValueError(f"a loss_fn is set, so the batch needs a label: the last positional input or '{LABEL_NAME}='")
+    names = forward_input_names(model, len(args)) + list(kwargs) + [LABEL_NAME] * len(label)
+    return names, list(args) + list(kwargs.values()) + label
+
+
+def _check_against_entries(entries, tensors):
+    """Each tensor has its entry's rank, fixed sizes and dtype; a symbolic size is the same in every input."""
+    bound = {}
+    for entry, tensor in zip(entries, tensors):
+        if len(entry.shape) != tensor.dim():
+            raise ValueError(
+                f"input '{entry.name}' must have {len(entry.shape)} dimensions {entry.shape}, got shape {list(tensor.shape)}"
+            )
+        for index, (expected, actual) in enumerate(zip(entry.shape, tensor.shape)):
+            if isinstance(expected, int) and expected != actual:
+                raise ValueError(
+                    f"input '{entry.name}' dimension {index} must be {expected} (model_desc shape {entry.shape}), "
+                    f"got shape {list(tensor.shape)}"
+                )
+            if isinstance(expected, str) and bound.setdefault(expected, actual) != actual:
+                raise ValueError(
+                    f"input '{entry.name}' dimension {index} ('{expected}') is {actual}, but another input "
+                    f"has '{expected}' = {bound[expected]}"
+                )
+        dtype = getattr(entry, "dtype", None)
+        if dtype is not None and tensor.dtype != dtype:
+            raise TypeError(f"input '{entry.name}' must be {dtype}, got {tensor.dtype}; convert it (e.g. tensor.to({dtype}))")

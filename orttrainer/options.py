@@ -1,10 +1,12 @@
 """ORTTrainerOptions: the legacy option tree, its defaults, and validation.
 
-The schema is the legacy one (LEGACY_API.md §2). Errors are collected for every key
+The schema is the legacy one (docs/legacy_api.md §2). Errors are collected for every key
 and raised together as one ValueError whose message names each key by its full path
 (``mixed_precision.enabled``), what was expected, and what was given.
 """
 
+import functools
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -128,6 +130,26 @@ _SCHEMA = {
     "session_options": _Option(onnxruntime.SessionOptions, None, nullable=True),
 }
 
+# Options the legacy schema accepts that change nothing in orttrainer, with the reason. Options that
+# orttrainer does not implement yet and refuses (trainer._check_supported) are not listed here.
+IGNORED_OPTIONS = {
+    "distributed.data_parallel_size": "orttrainer derives it as world_size // horizontal_parallel_size",
+    "distributed.allreduce_post_accumulation": "gradients are always all-reduced once per update, after accumulation",
+    "distributed.pipeline_parallel.num_pipeline_micro_batches": "pipeline parallelism is not implemented",
+    "distributed.pipeline_parallel.pipeline_cut_info_string": "pipeline parallelism is not implemented",
+    "distributed.pipeline_parallel.sliced_schema": "pipeline parallelism is not implemented",
+    "distributed.pipeline_parallel.sliced_axes": "pipeline parallelism is not implemented",
+    "distributed.pipeline_parallel.sliced_tensor_names": "pipeline parallelism is not implemented",
+    "graph_transformer.number_recompute_layers": "the recompute transformers are not implemented",
+    "graph_transformer.propagate_cast_ops_config.strategy": "mixed precision places its own casts",
+    "graph_transformer.propagate_cast_ops_config.level": "mixed precision places its own casts",
+    "graph_transformer.propagate_cast_ops_config.allow": "mixed precision places its own casts",
+    "utils.memory_efficient_gradient": "the gradient graph builder has no memory-efficient variant",
+    "utils.run_symbolic_shape_infer": "orttrainer does not run symbolic shape inference",
+    "_internal_use.enable_internal_postprocess": "orttrainer has no legacy post-processing pass to switch",
+    "_internal_use.enable_onnx_contrib_ops": "orttrainer always exports with its own symbolic functions",
+}
+
 _TYPE_NAMES = {bool: "boolean", int: "integer", str: "string", list: "list", dict: "dict", Callable: "callable"}
 
 
@@ -152,6 +174,19 @@ def _type_error(option: _Option, value) -> Optional[str]:
     return option.check(value) if option.check else None
 
 
+def _default_value(option: _Option):
+    return option.default() if callable(option.default) else option.default
+
+
+def _copy_tree(value):
+    """``value`` with every dict and list in it copied; other objects (schedulers, scalers, ...) are shared."""
+    if isinstance(value, dict):
+        return {key: _copy_tree(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_copy_tree(item) for item in value]
+    return value
+
+
 def _normalize(schema: dict, given, path: str, errors: list) -> dict:
     """Fill defaults into ``given`` following ``schema``; append 'path: reason' errors."""
     if not isinstance(given, dict):
@@ -166,12 +201,12 @@ def _normalize(schema: dict, given, path: str, errors: list) -> dict:
             result[key] = _normalize(spec, given.get(key, {}), f"{path}{key}.", errors)
             continue
         if key in given:
-            value = given[key]
+            value = _copy_tree(given[key])
             problem = _type_error(spec, value)
             if problem:
                 errors.append(f"{path}{key}: {problem}")
         else:
-            value = spec.default() if callable(spec.default) else spec.default
+            value = _default_value(spec)
         result[key] = value
     return result
 
@@ -192,13 +227,39 @@ class ORTTrainerOptions(_OptionGroup):
     """Options of an ORTTrainer, given as a (partial, nested) dict.
 
     Every group is filled with its defaults; unknown keys and wrong types raise one
-    ``ValueError`` listing each offending key path.
+    ``ValueError`` listing each offending key path. Each option of ``IGNORED_OPTIONS`` set
+    to a non-default value gets a UserWarning. The given dict is copied, never changed.
     """
 
     def __init__(self, options: Optional[dict] = None):
-        self._original_opts = options if options is not None else {}
+        self._original_opts = _copy_tree(options) if options is not None else {}  # the caller's dict is never changed
         errors: list = []
         self._validated_opts = _normalize(_SCHEMA, self._original_opts, "", errors)
         if errors:
             raise ValueError("Invalid options: " + "; ".join(errors))
         super().__init__(self._validated_opts, _SCHEMA)
+        _warn_ignored(self)
+
+
+def _option_at(path: str) -> _Option:
+    return functools.reduce(lambda group, key: group[key], path.split("."), _SCHEMA)
+
+
+def _value_at(options: ORTTrainerOptions, path: str):
+    return functools.reduce(getattr, path.split("."), options)
+
+
+def ignored_options(options: ORTTrainerOptions) -> list:
+    """Key paths of the options in ``IGNORED_OPTIONS`` that ``options`` sets to a non-default value."""
+    return [path for path in IGNORED_OPTIONS if _value_at(options, path) != _default_value(_option_at(path))]
+
+
+def _warn_ignored(options: ORTTrainerOptions) -> None:
+    """One UserWarning per option that is set but has no effect, pointing at the caller's line."""
+    for path in ignored_options(options):
+        warnings.warn(
+            f"options {path}={_value_at(options, path)!r} has no effect in orttrainer ({IGNORED_OPTIONS[path]}); "
+            f"remove it from the options to silence this warning",
+            UserWarning,
+            stacklevel=3,
+        )

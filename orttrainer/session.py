@@ -3,13 +3,25 @@
 Device strings follow torch (``"cpu"``, ``"cuda"``, ``"cuda:1"``); ``device_providers``
 turns one into the execution providers to ask for, and :class:`TorchBoundSession` runs
 a graph whose inputs and outputs are torch tensors, bound by pointer (no copies).
+
+On a GPU, torch and ONNX Runtime share those tensors but each queues its kernels on a
+stream; :class:`TorchBoundSession` orders every run after torch's work on its current
+stream and returns only once the run is finished (see ``run``).
 """
+
+import os
 
 import numpy as np
 import onnx
 import onnxruntime
 import torch
 from torch.utils.dlpack import from_dlpack
+
+from . import cuda_libraries
+
+GPU_PROVIDERS = ("CUDAExecutionProvider", "ROCMExecutionProvider")
+STREAM_OPTION = "user_compute_stream"  # a CUDA and ROCm provider option in ONNX Runtime 1.19
+SYNCHRONIZE_OPTION = "disable_synchronize_execution_providers"
 
 _NUMPY_DTYPES = {
     torch.float32: np.float32,
@@ -55,10 +67,28 @@ def resolve_device(device_id: str) -> torch.device:
             raise RuntimeError(
                 f"options device.id is {device_id!r} but torch sees no CUDA/ROCm device; use 'cpu' or leave device.id unset"
             )
-        return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        _check_gpu_index(device_id, index, torch.cuda.device_count())
+        return torch.device("cuda", index)
     if device.type != "cpu":
         raise ValueError(f"options device.id: {device_id!r} is not supported; use 'cpu', 'cuda' or 'cuda:N'")
     return device
+
+
+def _check_gpu_index(device_id: str, index: int, count: int) -> None:
+    """A GPU index past the GPUs torch sees is an error saying how many there are (and, under torchrun, what to do)."""
+    if index < count:
+        return
+    under_torchrun = ""
+    if "LOCAL_RANK" in os.environ:
+        under_torchrun = (
+            f" Under torchrun a bare 'cuda' means cuda:LOCAL_RANK (LOCAL_RANK={os.environ['LOCAL_RANK']} here): start at "
+            f"most {count} process(es) per node (torchrun --nproc_per_node={count}), or set device.id per rank."
+        )
+    raise RuntimeError(
+        f"options device.id {device_id!r} asks for GPU {index}, but torch sees {count} GPU(s) "
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}).{under_torchrun}"
+    )
 
 
 def device_providers(device: torch.device, mem_limit: int = 0, provider_options=None, available=None, is_rocm=None):
@@ -91,7 +121,7 @@ def session_options(base=None, deterministic=False, optimized_model_path="", thr
     """SessionOptions that share the CPU with torch instead of fighting it.
 
     ONNX Runtime's intra-op threads spin by default and then stall torch's own threads
-    in the optimizer step (DESIGN.md), so spinning is turned off. Intra-op threads are
+    in the optimizer step (docs/stack_facts.md), so spinning is turned off. Intra-op threads are
     ``threads`` (default: torch's) unless ``base`` sets them.
     """
     options = base if base is not None else onnxruntime.SessionOptions()
@@ -107,6 +137,70 @@ def session_options(base=None, deterministic=False, optimized_model_path="", thr
     return options
 
 
+def gpu_provider(providers):
+    """The GPU execution provider among ``providers`` ([(name, options)]), or None."""
+    return next((name for name, _ in providers if name in GPU_PROVIDERS), None)
+
+
+def with_compute_stream(providers, stream_handle: int):
+    """``providers`` with the GPU provider told to queue all its work on the CUDA/HIP stream ``stream_handle``.
+
+    A stream the options already name (``provider_options``) is kept.
+    """
+    return [(name, {STREAM_OPTION: str(stream_handle), **options} if name in GPU_PROVIDERS else options)
+            for name, options in providers]  # fmt: skip
+
+
+def session_stream(device: torch.device, provider_options: dict):
+    """The torch stream a GPU session will run on: the one its provider options name, else torch's current
+    stream on ``device``, else a new one.
+
+    torch's default stream has handle 0, which ONNX Runtime reads as "no stream given" (it then
+    runs on non-blocking streams of its own, unordered with torch's default stream): a session
+    created while torch is on its default stream gets a stream of its own instead, one torch knows.
+    """
+    named = provider_options.get(STREAM_OPTION)
+    if named is not None:
+        if int(named) == 0:
+            raise ValueError(
+                f"options provider_options: {STREAM_OPTION}='{named}' is torch's default stream, which ONNX Runtime "
+                "ignores (it would run on streams of its own); leave it out and orttrainer picks a stream"
+            )
+        return torch.cuda.ExternalStream(int(named), device=device)
+    current = torch.cuda.current_stream(device)
+    return current if current.cuda_stream != 0 else torch.cuda.Stream(device)
+
+
+def run_options() -> onnxruntime.RunOptions:
+    """RunOptions under which a run returns only once the GPU has finished it.
+
+    ``disable_synchronize_execution_providers`` = "0" is ONNX Runtime's default, set explicitly
+    because the trainer relies on it: at the end of a run the GPU provider synchronises its
+    stream with the host, so outputs are complete for torch whatever stream reads them, and
+    ONNX Runtime is done with the inputs before torch overwrites them (the next batch, the
+    optimizer update).
+    """
+    options = onnxruntime.RunOptions()
+    options.add_run_config_entry(SYNCHRONIZE_OPTION, "0")
+    return options
+
+
+class ProviderFallbackError(RuntimeError):
+    """ONNX Runtime built the session without the GPU provider asked for (it falls back to the CPU silently)."""
+
+
+def check_provider_in_use(requested, in_use, device: torch.device) -> None:
+    """Refuse a session that runs on the CPU although a GPU provider was asked for."""
+    gpu = gpu_provider(requested)
+    if gpu is None or gpu in in_use:
+        return
+    raise ProviderFallbackError(
+        f"asked ONNX Runtime for {gpu} on {device}, but the session runs on {in_use}: the provider's libraries load, "
+        "yet it failed to start (e.g. a driver too old for CUDA 11.8, or a cuDNN other than 8). ONNX Runtime logs the "
+        "reason as a warning: pass options session_options with log_severity_level=2 to see it (docs/gpu.md)"
+    )
+
+
 def _ort_device(device: torch.device):
     return ("cuda" if device.type == "cuda" else "cpu"), (device.index or 0)
 
@@ -116,15 +210,27 @@ class TorchBoundSession:
 
     Bindings persist across runs, so tensors whose storage never changes (weights,
     gradient buffers) are bound once; per-step inputs are re-bound before each run.
+
+    On a GPU, the session's kernels run on a torch stream (:func:`session_stream`): torch's
+    current stream when it is a real one, so that a run needs no synchronisation at all.
+    A GPU provider that cannot load, or a session that fell back to the CPU, is an error.
     """
 
     def __init__(self, model: onnx.ModelProto, device: torch.device, providers, options: onnxruntime.SessionOptions):
         self.device = device
+        gpu = gpu_provider(providers)
+        if gpu is not None:
+            cuda_libraries.check_provider_loads(gpu)
+        self._stream = session_stream(device, dict(providers)[gpu]) if gpu is not None and device.type == "cuda" else None
+        if self._stream is not None:
+            providers = with_compute_stream(providers, self._stream.cuda_stream)
         names = [name for name, _ in providers]
         provider_options = [opts for _, opts in providers]
         self.session = onnxruntime.InferenceSession(
             model.SerializeToString(), sess_options=options, providers=names, provider_options=provider_options
         )
+        check_provider_in_use(providers, self.session.get_providers(), device)
+        self._run_options = run_options()
         self.input_names = {graph_input.name for graph_input in self.session.get_inputs()}
         self.output_names = [output.name for output in self.session.get_outputs()]
         self._binding = self.session.io_binding()
@@ -156,6 +262,22 @@ class TorchBoundSession:
         """Run once; return the outputs named in :meth:`allocate_outputs` as torch tensors."""
         for name in self._allocated_outputs:  # fresh buffers: a returned tensor must not be overwritten later
             self._bind_output(name)
-        self.session.run_with_iobinding(self._binding)
+        if self._stream is not None:
+            self._wait_for_torch()
+        self.session.run_with_iobinding(self._binding, self._run_options)
         values = self._binding._iobinding.get_outputs()  # raw OrtValues: no Python wrapper per output
         return [from_dlpack(values[self._output_positions[name]].to_dlpack()) for name in self._allocated_outputs]
+
+    def _wait_for_torch(self):
+        """Start the run after the work torch has queued on its current stream.
+
+        That work wrote the inputs (the batch copied with non_blocking=True, the weights the
+        optimizer just updated) and may still read what the run overwrites (gradient buffers).
+        On the session's own stream this order is CUDA's; from another stream (the default
+        one, or one the user switched to after the session was built) the session's stream
+        waits for it on the GPU, without blocking the host. The other direction, torch
+        reading the outputs, is ordered by the end-of-run synchronisation (:func:`run_options`).
+        """
+        current = torch.cuda.current_stream(self.device)
+        if current != self._stream:
+            self._stream.wait_stream(current)

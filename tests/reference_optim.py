@@ -1,4 +1,4 @@
-"""Legacy optimizer rules (LEGACY_API.md §4) written out per weight in float64, as test references."""
+"""Legacy optimizer rules (docs/legacy_api.md §4) written out per weight in float64, as test references."""
 
 import math
 

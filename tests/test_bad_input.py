@@ -112,9 +112,9 @@ def test_fetches_select_outputs():
 
 
 def test_loss_fn_with_wrong_arity():
-    with pytest.raises(AssertionError, match=r"'loss_fn' must be either 'None' or a callable taking two arguments"):
+    with pytest.raises(TypeError, match=r"'loss_fn' must be either 'None' or a callable taking two arguments"):
         make_trainer(loss_fn=lambda output: output.sum())
-    with pytest.raises(AssertionError, match=r"'loss_fn'"):
+    with pytest.raises(TypeError, match=r"'loss_fn'"):
         make_trainer(loss_fn=lambda a, b, c: a)
 
 
@@ -164,7 +164,7 @@ def test_op_without_gradient_names_op_and_module():
 
 
 def test_wrong_constructor_arguments():
-    with pytest.raises(AssertionError, match="'optim_config' is required"):
+    with pytest.raises(TypeError, match="'optim_config' is required"):
         ORTTrainer(MLP(), None, {"lr": 0.1})
     with pytest.raises(ValueError, match="'model' must be either 'torch.nn.Module' or 'onnx.ModelProto', got str"):
         ORTTrainer("model.onnx", None, optim.SGDConfig())
@@ -268,8 +268,6 @@ def test_extra_postprocess_is_called_on_the_exported_graph_and_its_result_checke
 
 def test_what_the_user_passed_in_is_never_changed():
     import copy
-
-    import onnx
 
     from models import CNN
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from orttrainer import ORTTrainerOptions
 from orttrainer.distributed import owners, world_from

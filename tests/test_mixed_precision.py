@@ -152,3 +152,33 @@ def test_custom_scaler_subclass_is_honoured():
     scaler = Shrinking(128.0)
     train("mlp", True, 3, scaler=scaler)
     assert scaler.loss_scale == pytest.approx(128.0 * 0.9**3)
+
+
+def set_loss_scale(value):
+    amp.DynamicLossScaler().loss_scale = value
+
+
+def set_input_name(value):
+    amp.DynamicLossScaler().input_name = value
+
+
+@pytest.mark.parametrize(
+    "build, error, message",
+    [
+        (lambda: amp.DynamicLossScaler(loss_scale=0), ValueError,
+         r"'loss_scale' must be a positive number, got int 0\. Pass a number > 0, e.g. loss_scale=65536.0"),
+        (lambda: amp.DynamicLossScaler(loss_scale="1024"), TypeError, r"'loss_scale' must be a positive number, got str '1024'"),
+        (lambda: set_loss_scale(-2.0), ValueError, r"'loss_scale' must be a positive number, got float -2.0"),
+        (lambda: set_input_name(3), TypeError, r"'input_name' must be a string, got int 3\. Assign the name of the graph input"),
+        (lambda: amp.DynamicLossScaler(automatic_update=1), TypeError,
+         r"'automatic_update' must be a bool, got int 1\. Pass automatic_update=True \(dynamic scaling\)"),
+        (lambda: amp.DynamicLossScaler(up_scale_window=0), ValueError, r"'up_scale_window' must be a positive int, got int 0\. Pass"),
+        (lambda: amp.DynamicLossScaler(up_scale_window=10.0), TypeError, r"'up_scale_window' must be a positive int, got float 10.0"),
+        (lambda: amp.DynamicLossScaler(min_loss_scale=0.0), ValueError, r"'min_loss_scale' must be positive, got float 0.0\. Pass"),
+        (lambda: amp.DynamicLossScaler(min_loss_scale=4.0, max_loss_scale=2.0), ValueError,
+         r"'max_loss_scale' must be at least 'min_loss_scale' \(4.0\), got float 2.0\. Pass max_loss_scale >= min_loss_scale"),
+    ],
+)
+def test_scaler_argument_checks(build, error, message):
+    with pytest.raises(error, match=message):
+        build()

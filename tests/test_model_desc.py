@@ -41,6 +41,28 @@ def test_invalid_model_desc_names_the_entry(desc, message):
         _ORTTrainerModelDesc(desc)
 
 
+@pytest.mark.parametrize(
+    "add, error, message",
+    [
+        (lambda desc: desc.add_type_to_input_description(-1, torch.float32), ValueError,
+         r"input index must be a non-negative int, got int -1\. Pass the position of the entry in model_desc.inputs \(0..0\)"),
+        (lambda desc: desc.add_type_to_input_description(1, torch.float32), ValueError,
+         r"input index must be a non-negative int, got int 1\. .*\(0..0\)"),
+        (lambda desc: desc.add_type_to_input_description("x", torch.float32), TypeError,
+         r"input index must be a non-negative int, got str 'x'"),
+        (lambda desc: desc.add_type_to_input_description(0, "float32"), TypeError,
+         r"input dtype must be a torch.dtype, got str 'float32'\. Pass a torch dtype such as torch.float32"),
+        (lambda desc: desc.add_type_to_output_description(2, torch.float32), ValueError,
+         r"output index must be a non-negative int, got int 2\. Pass the position of the entry in model_desc.outputs \(0..1\)"),
+        (lambda desc: desc.add_type_to_output_description(0, None), TypeError, r"output dtype must be a torch.dtype, got None\."),
+    ],
+)
+def test_add_type_checks_index_and_dtype(add, error, message):
+    desc = _ORTTrainerModelDesc({"inputs": [("x", [1])], "outputs": [("loss", [], True), ("y", [1])]})
+    with pytest.raises(error, match=message):
+        add(desc)
+
+
 def test_no_loss_output_is_an_error():
     desc = _ORTTrainerModelDesc({"inputs": [("x", [1])], "outputs": [("y", [1])]})
     with pytest.raises(ValueError, match=r"exactly one output with is_loss=True \(0 were specified\)"):

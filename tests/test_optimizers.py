@@ -122,22 +122,39 @@ def test_lamb_param_groups_take_effect():
 
 
 @pytest.mark.parametrize(
-    "build, message",
+    "build, error, message",
     [
-        (lambda: optim.SGDConfig(params=[{"params": ["w"], "lr": 0.1}]), "'params' must be an empty list for SGD optimizer"),
-        (lambda: optim.AdamConfig(params=[{"params": ["w"], "lr": 0.1}]), "'lr' is not supported inside params"),
-        (lambda: optim.AdamConfig(params=[{"params": ["w"], "gamma": 0.1}]), "'gamma', which is not a hyper-parameter"),
-        (lambda: optim.AdamConfig(params=[{"params": ["w"]}]), r"params\[0\] must be a dict with 'params' and at least one"),
-        (lambda: optim.AdamConfig(alpha=-0.1), "'alpha' must be a non-negative number"),
-        (lambda: optim.AdamConfig(max_norm_clip=0), "'max_norm_clip' must be a non-zero number"),
-        (lambda: optim.AdamConfig(do_bias_correction=1), "'do_bias_correction' must be a bool"),
-        (lambda: optim.AdamConfig(weight_decay_mode=0), "'weight_decay_mode' must be an AdamConfig.DecayMode"),
-        (lambda: optim.LambConfig(ratio_min=0), "'ratio_min' must be a float"),
-        (lambda: optim.SGDConfig(lr=-1), "'lr' must be a non-negative number"),
+        (lambda: optim.SGDConfig(params=[{"params": ["w"], "lr": 0.1}]), ValueError,
+         r"'params' must be an empty list for SGD optimizer, got list \[\{'params': \['w'\], 'lr': 0.1\}\]\. .*pass params=\[\]"),
+        (lambda: optim.AdamConfig(params=[{"params": ["w"], "lr": 0.1}]), ValueError,
+         r"'lr' is not supported inside params \(params\[0\] has lr=0.1\).* Remove 'lr' from params\[0\]"),
+        (lambda: optim.AdamConfig(params=[{"params": ["w"], "gamma": 0.1}]), ValueError,
+         r"params\[0\] has 'gamma', which is not a hyper-parameter of AdamOptimizer; a group may set alpha, beta, "
+         r"lambda_coef, .* Remove 'gamma'"),
+        (lambda: optim.AdamConfig(params=[{"params": ["w"]}]), ValueError,
+         r"params\[0\] must be a dict with 'params' and at least one hyper-parameter, got dict \{'params': \['w'\]\}"),
+        (lambda: optim.AdamConfig(params=["w"]), TypeError, r"params\[0\] must be a dict .*, got str 'w'\. Write each group like"),
+        (lambda: optim.LambConfig(params={"params": ["w"]}), TypeError, r"'params' must be a list of dicts, got dict"),
+        (lambda: optim.AdamConfig(alpha=-0.1), ValueError,
+         r"'alpha' must be a non-negative number, got float -0.1\. Pass alpha >= 0 to AdamConfig"),
+        (lambda: optim.LambConfig(beta="0.9"), TypeError,
+         r"'beta' must be a non-negative number, got str '0.9'\. Pass beta >= 0 to LambConfig"),
+        (lambda: optim.AdamConfig(max_norm_clip=0), ValueError,
+         r"'max_norm_clip' must be a non-zero number, got int 0\. .*grad_norm_clip=False"),
+        (lambda: optim.AdamConfig(do_bias_correction=1), TypeError, r"'do_bias_correction' must be a bool, got int 1"),
+        (lambda: optim.AdamConfig(weight_decay_mode=0), TypeError,
+         r"'weight_decay_mode' must be an AdamConfig.DecayMode, got int 0\. Pass AdamConfig.DecayMode.BEFORE_WEIGHT_UPDATE"),
+        (lambda: optim.LambConfig(ratio_min=0), TypeError, r"'ratio_min' must be a float, got int 0\. Pass ratio_min as a float"),
+        (lambda: optim.SGDConfig(lr=-1), ValueError, r"'lr' must be a non-negative number, got int -1\. Pass a learning rate >= 0"),
+        (lambda: optim.SGDConfig(lr=True), TypeError, r"'lr' must be a non-negative number, got bool True"),
+        (lambda: optim.config._OptimizerConfig("Adagrad", [], {"lr": 0.1}), ValueError,
+         r"'name' must be one of AdamOptimizer, LambOptimizer, SGDOptimizer, got str 'Adagrad'"),
+        (lambda: optim.config._OptimizerConfig("SGDOptimizer", [], {"alpha": 0.1}), ValueError,
+         r"'defaults' must be a dict with an 'lr' entry, got dict \{'alpha': 0.1\}\. .*defaults=\{'lr': 0.001\}"),
     ],
 )
-def test_config_checks(build, message):
-    with pytest.raises(AssertionError, match=message):
+def test_config_checks(build, error, message):
+    with pytest.raises(error, match=message):
         build()
 
 

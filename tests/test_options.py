@@ -1,11 +1,17 @@
 """ORTTrainerOptions: legacy schema, defaults, validation naming key paths."""
 
+import copy
+import warnings
+
 import onnxruntime
 import pytest
 import torch
+import torch.nn.functional as F
+from models import MLP, mlp_batch
 from onnxruntime.training import PropagateCastOpsStrategy
 
-from orttrainer import ORTTrainerOptions, amp, optim
+from orttrainer import ORTTrainer, ORTTrainerOptions, amp, optim
+from orttrainer.options import IGNORED_OPTIONS, ignored_options
 
 
 def test_defaults_fill_every_group():
@@ -75,3 +81,73 @@ def test_every_error_is_reported_at_once():
     with pytest.raises(ValueError) as caught:
         ORTTrainerOptions({"batch": {"gradient_accumulation_steps": 0}, "device": {"mem_limit": -1}})
     assert "batch.gradient_accumulation_steps" in str(caught.value) and "device.mem_limit" in str(caught.value)
+
+
+def test_defaults_and_used_options_do_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        options = ORTTrainerOptions({"utils": {"frozen_weights": ["fc.bias"]}, "_internal_use": {"extra_postprocess": lambda model: model},
+                                     "debug": {"deterministic_compute": True}})
+    assert ignored_options(options) == []
+
+
+@pytest.mark.parametrize("path, value", [
+    ("utils.run_symbolic_shape_infer", True),
+    ("utils.memory_efficient_gradient", True),
+    ("_internal_use.enable_internal_postprocess", False),
+    ("_internal_use.enable_onnx_contrib_ops", False),
+    ("graph_transformer.number_recompute_layers", 2),
+    ("graph_transformer.propagate_cast_ops_config.strategy", PropagateCastOpsStrategy.INSERT_AND_REDUCE),
+    ("graph_transformer.propagate_cast_ops_config.allow", ["Gelu"]),
+    ("distributed.allreduce_post_accumulation", True),
+    ("distributed.data_parallel_size", 2),
+    ("distributed.pipeline_parallel.pipeline_cut_info_string", "1:2"),
+])
+def test_an_ignored_option_warns_once_naming_its_key_path(path, value):
+    *groups, key = path.split(".")
+    given = {key: value}
+    for group in reversed(groups):
+        given = {group: given}
+    with pytest.warns(UserWarning, match="has no effect in orttrainer") as caught:
+        options = ORTTrainerOptions(given)
+    ours = [warning for warning in caught if "has no effect" in str(warning.message)]
+    assert [str(warning.message) for warning in ours] == [
+        f"options {path}={value!r} has no effect in orttrainer ({IGNORED_OPTIONS[path]}); "
+        "remove it from the options to silence this warning"]
+    assert ours[0].filename == __file__, "the warning points at the caller's line"
+    assert ignored_options(options) == [path]
+
+
+def test_ignored_options_reads_the_current_attributes():
+    options = ORTTrainerOptions()
+    options.utils.run_symbolic_shape_infer = True
+    assert ignored_options(options) == ["utils.run_symbolic_shape_infer"]
+
+
+def test_the_given_dict_is_never_changed():
+    scheduler = optim.LinearWarmupLRScheduler(100, 0.1)
+    given = {
+        "utils": {"frozen_weights": ["fc.bias"]},
+        "distributed": {"pipeline_parallel": {"sliced_schema": {"x": [1, 2]}}},
+        "provider_options": {"CPUExecutionProvider": {"arena": 1}},
+        "lr_scheduler": scheduler,
+    }
+    expected = copy.deepcopy({key: value for key, value in given.items() if key != "lr_scheduler"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # sliced_schema has no effect
+        options = ORTTrainerOptions(given)
+    options.utils.frozen_weights.append("running_mean")
+    options.distributed.pipeline_parallel.sliced_schema["x"].append(3)
+    options.provider_options["CPUExecutionProvider"]["arena"] = 0
+    options._original_opts["utils"]["frozen_weights"].append("other")
+    assert {key: value for key, value in given.items() if key != "lr_scheduler"} == expected
+    assert given["lr_scheduler"] is scheduler and options.lr_scheduler is scheduler, "objects are shared, not copied"
+    assert options._validated_opts["utils"]["frozen_weights"] == ["fc.bias", "running_mean"]
+
+
+def test_a_trainer_leaves_the_given_dict_unchanged():
+    given = {"device": {"id": "cpu"}, "utils": {"frozen_weights": []}, "mixed_precision": {"enabled": True}}
+    expected = copy.deepcopy(given)
+    trainer = ORTTrainer(MLP(), None, optim.SGDConfig(), loss_fn=F.cross_entropy, options=ORTTrainerOptions(given))
+    trainer.train_step(*mlp_batch())
+    assert given == expected

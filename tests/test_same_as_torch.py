@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from models import CNN, MLP, cnn_batch, mlp_batch
-from parity import assert_close_state, cpu_options, run_parity
+from parity import cpu_options, run_parity
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 from orttrainer.export import ExportError

@@ -1,30 +1,32 @@
 """The samples run end to end in a short mode, so CI keeps them working."""
 
-import os
+import re
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).parent.parent
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+from conftest import ROOT, subprocess_env
 
 
-def run_sample(*args):
-    result = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+def run_sample(*args, cwd=ROOT):
+    result = subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=subprocess_env(), capture_output=True, text=True,
+                            timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
 
 def test_char_lm_learns_exports_samples_and_resumes(tmp_path):
-    common = ["--eval-every", 20, "--checkpoint-every", 20, "--max-chars", 300_000, "--out-dir", tmp_path]
-    first = run_sample(ROOT / "samples/char_lm.py", "--steps", 40, *common)
+    common = ["--eval-every", 10, "--checkpoint-every", 10, "--max-chars", 100_000, "--out-dir", tmp_path]
+    first = run_sample(ROOT / "samples/char_lm.py", "--steps", 20, *common)
     assert "(learned)" in first, first
-    for name in ("checkpoint_20.ortcp", "checkpoint_40.ortcp", "char_lm.onnx", "loss_curve.png"):
+    for name in ("checkpoint_10.ortcp", "checkpoint_20.ortcp", "history.json", "char_lm.onnx", "loss_curve.png"):
         assert (tmp_path / name).stat().st_size > 0, name
     assert "sample from the exported model" in first
-    second = run_sample(ROOT / "samples/char_lm.py", "--steps", 60, *common)
-    assert f"resuming from {tmp_path / 'checkpoint_40.ortcp'} at step 40" in second
-    assert (tmp_path / "checkpoint_60.ortcp").exists()
+    rate = re.search(r"trained 20 steps in [\d.]+ s \(([\d.]+) steps/s", first)
+    assert rate and float(rate.group(1)) > 0, first
+    second = run_sample(ROOT / "samples/char_lm.py", "--steps", 30, *common)
+    assert f"resuming from {tmp_path / 'checkpoint_20.ortcp'} at step 20" in second
+    sizes = {(tmp_path / f"checkpoint_{step}.ortcp").stat().st_size for step in (10, 20, 30)}
+    assert len(sizes) == 1, f"checkpoints grow with the run: {sizes}"
 
 
 def test_digits_classifier_trains():
@@ -33,11 +35,21 @@ def test_digits_classifier_trains():
     assert accuracy > 80, output
 
 
+def test_legacy_script_ported_as_from_legacy_md_shows_runs_here(tmp_path):
+    text = (ROOT / "samples/from_legacy.md").read_text()
+    after = text.split("## After", 1)[1]
+    (script,) = re.findall(r"```python\n(.*?)```", after.split("\n## ", 1)[0], re.S)
+    assert "from orttrainer import" in script
+    assert not any('"device"' in line.split("#", 1)[0] for line in script.splitlines()), "the port as shown asks for a device"
+    (tmp_path / "ported.py").write_text(script)
+    run_sample(tmp_path / "ported.py", cwd=tmp_path)
+    assert (tmp_path / "model.ortcp").stat().st_size > 0 and (tmp_path / "model.onnx").stat().st_size > 0
+
+
 def test_torchrun_sample_trains_on_two_ranks_with_zero(tmp_path):
-    env = {key: value for key, value in ENV.items() if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                str(ROOT / "samples/torchrun_ddp.py"), "--epochs", "3", "--zero", "--checkpoint", str(tmp_path / "d.ortcp")]
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("test accuracy") == 1, "only rank 0 reports"
     accuracy = float(result.stdout.split("test accuracy ")[1].split("%")[0])

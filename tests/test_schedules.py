@@ -42,17 +42,30 @@ def test_poly_after_total_steps_is_lr_end():
 
 
 @pytest.mark.parametrize(
-    "build, message",
+    "build, error, message",
     [
-        (lambda: optim.LinearWarmupLRScheduler(0), "'total_steps' must be a strict positive number"),
-        (lambda: optim.LinearWarmupLRScheduler(10, 1), "'warmup' must be a float between"),
-        (lambda: optim.CosineWarmupLRScheduler(10, cycles=-1.0), "'cycles' must be a positive float"),
-        (lambda: optim.PolyWarmupLRScheduler(10, power=-1.0), "'power' must be a float >= 0"),
+        (lambda: optim.LinearWarmupLRScheduler(0), ValueError,
+         r"'total_steps' must be a strict positive number, got int 0\. Pass the number of optimizer updates to LinearWarmupLRScheduler"),
+        (lambda: optim.ConstantWarmupLRScheduler(100.0), TypeError, r"'total_steps' must be a strict positive number, got float 100.0"),
+        (lambda: optim.LinearWarmupLRScheduler(10, 1), TypeError,
+         r"'warmup' must be a float between \[0, 1\), got int 1\. Pass the warmup as a fraction of total_steps"),
+        (lambda: optim.LinearWarmupLRScheduler(10, 1.0), ValueError, r"'warmup' must be a float between \[0, 1\), got float 1.0"),
+        (lambda: optim.CosineWarmupLRScheduler(10, cycles=-1.0), ValueError, r"'cycles' must be a positive float, got float -1.0\. Pass"),
+        (lambda: optim.CosineWarmupLRScheduler(10, cycles=1), TypeError, r"'cycles' must be a positive float, got int 1"),
+        (lambda: optim.PolyWarmupLRScheduler(10, power=-1.0), ValueError, r"'power' must be a float >= 0, got float -1.0\. Pass the decay"),
+        (lambda: optim.PolyWarmupLRScheduler(10, lr_end=0), TypeError,
+         r"'lr_end' must be a float >= 0, got int 0\. Pass the final learning rate as a float"),
     ],
 )
-def test_argument_checks(build, message):
-    with pytest.raises(AssertionError, match=message):
+def test_argument_checks(build, error, message):
+    with pytest.raises(error, match=message):
         build()
+
+
+def test_poly_lr_end_above_the_base_lr_is_a_value_error():
+    scheduler = optim.PolyWarmupLRScheduler(10, lr_end=0.5)
+    with pytest.raises(ValueError, match=r"lr_end \(0.5\) must be smaller than the base lr \(0.1\).* Pass a smaller lr_end"):
+        scheduler._step(TrainStepInfo(optim.SGDConfig(lr=0.1)))
 
 
 class HalvingScheduler(optim._LRScheduler):

@@ -1,4 +1,4 @@
-"""Optimizer updates applied in place to the trainer's weight tensors (LEGACY_API.md §4).
+"""Optimizer updates applied in place to the trainer's weight tensors (docs/legacy_api.md §4).
 
 The session writes gradients into the trainer's gradient buffers; an update reads them
 with the accumulation mean (``grad_scale`` = 1/N) and global-norm clipping folded into
@@ -134,7 +134,7 @@ class _Adam(_MomentOptimizer):
     def _step_group(self, grads, lr, scale, hyper, indices, count):
         weights = _pick(self.weights, indices)
         if self._uses_fused_kernel(hyper):
-            steps = [torch.tensor(float(count))] * len(indices)  # read, not written, by the kernel
+            steps = [torch.tensor(float(count), device=weights[0].device)] * len(indices)  # read, not written, by the kernel
             grad_scale = None if scale == 1.0 else torch.tensor(1.0 / scale, device=weights[0].device)
             torch._fused_adamw_(
                 weights, grads, _pick(self.moment_1, indices), _pick(self.moment_2, indices), [], steps,

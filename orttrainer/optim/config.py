@@ -9,33 +9,46 @@ weights.
 from enum import IntEnum
 from math import inf
 
+from .._arguments import _NUMBER, _argument_error, _check_argument, _is_non_negative
+
 _OPTIMIZER_NAMES = ("AdamOptimizer", "LambOptimizer", "SGDOptimizer")
+_GROUPS_EXAMPLE = "params=[{'params': ['fc.weight', 'fc.bias'], 'alpha': 0.8}]"
 
 
-def _is_number(value):
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def _check_group_keys(group, index, name, allowed):
+    """Every key of a parameter group but 'params' must be one of the hyper-parameter names ``allowed``."""
+    for key in group:
+        if key == "lr" and "lr" not in allowed:
+            raise ValueError(
+                f"'lr' is not supported inside params (params[{index}] has lr={group['lr']!r}): one learning "
+                f"rate drives every weight. Remove 'lr' from params[{index}] and pass lr to the config instead."
+            )
+        if key != "params" and key not in allowed and str(key).replace("_coef", "") not in allowed:
+            shown = ", ".join("lambda_coef" if hyper == "lambda" else hyper for hyper in allowed)
+            raise ValueError(
+                f"params[{index}] has '{key}', which is not a hyper-parameter of {name}; a group may set {shown}. "
+                f"Remove '{key}' from params[{index}] or correct its spelling."
+            )
 
 
 class _OptimizerConfig:
     """Base class of optimizer configs: validates and completes ``params`` groups."""
 
+    _GROUPS_MAY_SET_LR = True  # False: one learning rate drives every weight
+
     def __init__(self, name, params, defaults):
-        assert isinstance(name, str) and name in _OPTIMIZER_NAMES, (
-            f"'name' must be one of {', '.join(_OPTIMIZER_NAMES)}, got {name!r}"
-        )
-        assert isinstance(defaults, dict) and "lr" in defaults, "'defaults' must be a dict with an 'lr' entry"
-        assert _is_number(defaults["lr"]) and defaults["lr"] >= 0, "'lr' must be a non-negative number"
-        assert isinstance(params, list), "'params' must be a list of dicts"
+        _check_argument(name, str, f"'name' must be one of {', '.join(_OPTIMIZER_NAMES)}",
+                        "Use SGDConfig, AdamConfig or LambConfig instead of _OptimizerConfig.",
+                        lambda value: value in _OPTIMIZER_NAMES)
+        _check_argument(defaults, dict, "'defaults' must be a dict with an 'lr' entry",
+                        "Pass the default hyper-parameters, e.g. defaults={'lr': 0.001}.", lambda value: "lr" in value)
+        _check_argument(defaults["lr"], _NUMBER, "'lr' must be a non-negative number",
+                        "Pass a learning rate >= 0, e.g. lr=0.001.", _is_non_negative)
+        _check_argument(params, list, "'params' must be a list of dicts", f"Pass params=[] or {_GROUPS_EXAMPLE}.")
         for index, group in enumerate(params):
-            assert isinstance(group, dict) and len(group) > 1 and "params" in group, (
-                f"params[{index}] must be a dict with 'params' and at least one hyper-parameter"
-            )
-            for key in group:
-                if key == "params":
-                    continue
-                assert key in defaults or key.replace("_coef", "") in defaults, (
-                    f"params[{index}] has '{key}', which is not a hyper-parameter of {name}"
-                )
+            _check_argument(group, dict, f"params[{index}] must be a dict with 'params' and at least one hyper-parameter",
+                            f"Write each group like {_GROUPS_EXAMPLE}.", lambda value: len(value) > 1 and "params" in value)
+            _check_group_keys(group, index, name, [key for key in defaults if key != "lr" or self._GROUPS_MAY_SET_LR])
             if "lambda_coef" in group:
                 group["lambda"] = group.pop("lambda_coef")
             for key, value in defaults.items():
@@ -58,14 +71,21 @@ class SGDConfig(_OptimizerConfig):
 
     def __init__(self, params=[], lr=0.001):  # noqa: B006 - legacy signature
         super().__init__("SGDOptimizer", params, {"lr": lr})
-        assert len(params) == 0, "'params' must be an empty list for SGD optimizer"
+        if params:
+            raise _argument_error(ValueError, "'params' must be an empty list for SGD optimizer", params,
+                                  "SGD has one set of hyper-parameters: pass params=[] and set lr only.")
 
 
-def _check_moment_settings(lr, alpha, beta, lambda_coef, epsilon, max_norm_clip, do_bias_correction):
-    for name, value in (("lr", lr), ("alpha", alpha), ("beta", beta), ("lambda_coef", lambda_coef), ("epsilon", epsilon)):
-        assert _is_number(value) and value >= 0, f"'{name}' must be a non-negative number, got {value!r}"
-    assert _is_number(max_norm_clip) and max_norm_clip != 0, "'max_norm_clip' must be a non-zero number"
-    assert isinstance(do_bias_correction, bool), "'do_bias_correction' must be a bool"
+def _check_moment_settings(config_name, settings: dict):
+    """The hyper-parameter checks Adam and Lamb share; ``config_name`` is the class the user called."""
+    for key in ("alpha", "beta", "lambda_coef", "epsilon"):  # lr: checked by _OptimizerConfig
+        _check_argument(settings[key], _NUMBER, f"'{key}' must be a non-negative number",
+                        f"Pass {key} >= 0 to {config_name}.", _is_non_negative)
+    _check_argument(settings["max_norm_clip"], _NUMBER, "'max_norm_clip' must be a non-zero number",
+                    f"Pass the gradient-norm bound to {config_name}, e.g. max_norm_clip=1.0; "
+                    "to turn clipping off use the option utils.grad_norm_clip=False.", lambda value: value != 0)
+    _check_argument(settings["do_bias_correction"], bool, "'do_bias_correction' must be a bool",
+                    f"Pass do_bias_correction=True or False to {config_name}.")
 
 
 class _MomentConfig(_OptimizerConfig):
@@ -75,11 +95,10 @@ class _MomentConfig(_OptimizerConfig):
     defaults dict stores it as ``lambda``, like the legacy configs.
     """
 
+    _GROUPS_MAY_SET_LR = False
+
     def __init__(self, name, params, settings: dict):
-        _check_moment_settings(*(settings[key] for key in
-                                 ("lr", "alpha", "beta", "lambda_coef", "epsilon", "max_norm_clip", "do_bias_correction")))  # fmt: skip
-        for index, group in enumerate(params):
-            assert "lr" not in group, f"'lr' is not supported inside params (params[{index}])"
+        _check_moment_settings(type(self).__name__, settings)
         defaults = {("lambda" if key == "lambda_coef" else key): value for key, value in settings.items()}
         super().__init__(name, params, defaults)
         for key, value in settings.items():
@@ -106,7 +125,9 @@ class AdamConfig(_MomentConfig):
         do_bias_correction=True,
         weight_decay_mode=DecayMode.BEFORE_WEIGHT_UPDATE,
     ):
-        assert isinstance(weight_decay_mode, AdamConfig.DecayMode), "'weight_decay_mode' must be an AdamConfig.DecayMode"
+        _check_argument(weight_decay_mode, AdamConfig.DecayMode, "'weight_decay_mode' must be an AdamConfig.DecayMode",
+                        "Pass AdamConfig.DecayMode.BEFORE_WEIGHT_UPDATE (PyTorch AdamW) or "
+                        "AdamConfig.DecayMode.AFTER_WEIGHT_UPDATE (HuggingFace AdamW).")
         settings = dict(lr=lr, alpha=alpha, beta=beta, lambda_coef=lambda_coef, epsilon=epsilon,
                         max_norm_clip=max_norm_clip, do_bias_correction=do_bias_correction,
                         weight_decay_mode=weight_decay_mode)  # fmt: skip
@@ -129,8 +150,8 @@ class LambConfig(_MomentConfig):
         max_norm_clip=1.0,
         do_bias_correction=False,
     ):
-        assert isinstance(ratio_min, float), "'ratio_min' must be a float"
-        assert isinstance(ratio_max, float), "'ratio_max' must be a float"
+        for key, value in (("ratio_min", ratio_min), ("ratio_max", ratio_max)):
+            _check_argument(value, float, f"'{key}' must be a float", f"Pass {key} as a float, e.g. {key}=1.0 rather than 1.")
         settings = dict(lr=lr, alpha=alpha, beta=beta, lambda_coef=lambda_coef, ratio_min=ratio_min,
                         ratio_max=ratio_max, epsilon=epsilon, max_norm_clip=max_norm_clip,
                         do_bias_correction=do_bias_correction)  # fmt: skip

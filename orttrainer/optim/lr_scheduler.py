@@ -7,6 +7,8 @@ and returns ``[base_lr * factor]``.
 
 import math
 
+from .._arguments import _check_argument, _is_non_negative, _is_positive
+
 
 class _LRScheduler:
     """Base class: subclasses implement :meth:`get_lr`."""
@@ -31,9 +33,12 @@ class _WarmupLRScheduler(_LRScheduler):
 
     def __init__(self, total_steps, warmup):
         super().__init__()
-        assert isinstance(total_steps, int) and total_steps > 0, "'total_steps' must be a strict positive number"
-        assert isinstance(warmup, float) and 0 <= warmup < 1, "'warmup' must be a float between [0, 1)"
-        assert total_steps > warmup, "'total_steps' must be bigger than 'warmup'"
+        _check_argument(total_steps, int, "'total_steps' must be a strict positive number",
+                        f"Pass the number of optimizer updates to {type(self).__name__}, e.g. total_steps=1000.",
+                        _is_positive)
+        _check_argument(warmup, float, "'warmup' must be a float between [0, 1)",
+                        "Pass the warmup as a fraction of total_steps, e.g. warmup=0.1 for the first 10% of updates.",
+                        lambda value: 0 <= value < 1)
         self.total_steps = total_steps
         self.warmup = warmup
 
@@ -66,7 +71,9 @@ class CosineWarmupLRScheduler(_WarmupLRScheduler):
 
     def __init__(self, total_steps, cycles=0.5, warmup=0.002):
         super().__init__(total_steps, warmup)
-        assert isinstance(cycles, float) and cycles > 0, "'cycles' must be a positive float"
+        _check_argument(cycles, float, "'cycles' must be a positive float",
+                        "Pass the number of cosine half-periods after warmup, e.g. cycles=0.5 to decay to zero once.",
+                        _is_positive)
         self.cycles = cycles
 
     def _factor(self, step, warmup_steps, base_lr):
@@ -89,14 +96,20 @@ class PolyWarmupLRScheduler(_WarmupLRScheduler):
 
     def __init__(self, total_steps, lr_end=1e-7, power=1.0, warmup=0.002):
         super().__init__(total_steps, warmup)
-        assert isinstance(lr_end, float) and lr_end >= 0, "'lr_end' must be a float >= 0"
-        assert isinstance(power, float) and power >= 0, "'power' must be a float >= 0"
+        _check_argument(lr_end, float, "'lr_end' must be a float >= 0",
+                        "Pass the final learning rate as a float, e.g. lr_end=1e-7.", _is_non_negative)
+        _check_argument(power, float, "'power' must be a float >= 0",
+                        "Pass the decay exponent as a float, e.g. power=1.0 for a linear decay.", _is_non_negative)
         self.lr_end = lr_end
         self.power = power
 
     def get_lr(self, train_step_info):
         base_lr = train_step_info.optimizer_config.lr
-        assert base_lr > self.lr_end, f"lr_end ({self.lr_end}) must be smaller than the base lr ({base_lr})"
+        if base_lr <= self.lr_end:
+            raise ValueError(
+                f"lr_end ({self.lr_end}) must be smaller than the base lr ({base_lr}): PolyWarmupLRScheduler decays "
+                "the optimizer config's lr down to lr_end. Pass a smaller lr_end or a larger lr to the optimizer config."
+            )
         return super().get_lr(train_step_info)
 
     def _factor(self, step, warmup_steps, base_lr):

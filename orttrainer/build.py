@@ -1,0 +1,481 @@
+"""From a torch module (or a forward+loss ONNX model), its loss and a first batch to a ready Runtime.
+
+``from_torch`` exports the module and loss with the first batch (export.py); ``from_onnx``
+takes the graph as given. Both pick the weights to train (parameters, or float initializers,
+that reach the loss), build the training and eval graphs (graph.py), open the two sessions
+bound to the weight tensors (session.py) and, on several ranks, check that every rank built
+the same graph and start from rank 0's weights. The forward graph's shape inference
+(graph.TensorFacts) is done once per build and handed to each pass that reads it.
+
+The :class:`Runtime` holds what a step uses: the sessions, weights, BatchNorm statistics,
+embedding lookups, the dropout and loss-scale inputs, the typed model_desc, the forward graph,
+the torch state that is not in the graph, and the checks every batch must pass.
+"""
+
+import copy
+import inspect
+
+import onnx
+import onnxruntime
+import torch
+from onnx import numpy_helper
+
+from . import export, graph, session
+from .model_desc import _ORTTrainerModelDesc, infer_model_desc
+
+
+class Runtime:
+    """What a build leaves for the steps: sessions bound to the weights, and what a run needs.
+
+    ``from_torch`` also fills ``aliases`` (tied weights: {alias: first name}), ``unexported_state``
+    and ``batch_counters`` (torch state the graph does not hold), ``frozen`` (a trace that froze
+    values of the first batch), ``reference`` (module and forward names for the first-step check
+    against torch) and ``export_sample`` (first batch and torch's outputs, for debug.check_model_export).
+    """
+
+    def __init__(self, model_desc, onnx_model, graphs, sessions, weights: dict, trainable, loss_scale, device):
+        self.model_desc, self.onnx_model, self.device = model_desc, onnx_model, device
+        self.train_session, self.eval_session = sessions
+        self.weights, self.trainable = weights, trainable
+        self.owned = trainable  # the weights this rank's optimizer updates (ZeRO-1: a part of them)
+        for bound in sessions:
+            for name, tensor in weights.items():
+                if name in bound.input_names:
+                    bound.bind_input(name, tensor)
+        self.gradient_outputs = graphs.gradient_outputs
+        self.batch_norms = [_BatchNormStatistics(stats, weights, self.train_session) for stats in graphs.running_statistics]
+        self.loss_scale = loss_scale  # mixed precision: the scale the loss is multiplied by, else None
+        if loss_scale is not None:
+            self.train_session.bind_input(graph.LOSS_SCALE_INPUT, loss_scale)
+        self.dropout_scale = torch.tensor(1.0, device=device)  # 0 turns dropout off (the first-step check)
+        if graph.DROPOUT_SCALE_INPUT in self.train_session.input_names:
+            self.train_session.bind_input(graph.DROPOUT_SCALE_INPUT, self.dropout_scale)
+        self.dropout_fixed = loss_scale is not None and any(node.op_type == "Dropout" for node in graphs.train.graph.node)
+        self.embeddings = graphs.embedding_gradients
+        for embedding in self.embeddings:
+            self.train_session.bind_input(embedding.lookup_input, weights[embedding.weight])
+        embedding_outputs = [name for e in self.embeddings for name in (e.rows_gradient, e.indices_output)]
+        self.train_session.allocate_outputs([entry.name for entry in model_desc.outputs] + embedding_outputs)
+        self.aliases, self.unexported_state, self.batch_counters = {}, {}, {}
+        self.frozen = self.reference = self.export_sample = self.index_ranges = None
+
+    def bind_batch(self, bound, inputs) -> None:
+        for entry, tensor in zip(self.model_desc.inputs, inputs):
+            if entry.name in bound.input_names:
+                bound.bind_input(entry.name, tensor)
+
+    def run_training(self):
+        """Run the training graph once: (model_desc outputs, embedding outputs). BatchNorm statistics
+        are left as ONNX Runtime wrote them (``update_batch_norms`` makes them torch's), or as they
+        were when the run failed or had one value per channel."""
+        for batch_norm in self.batch_norms:
+            batch_norm.save_old()
+        try:
+            outputs = self.train_session.run()
+        except RuntimeError as error:
+            self.restore_batch_norms()
+            raise graph.run_error(error) from error
+        _check_values_per_channel(self.batch_norms)
+        count = len(self.model_desc.outputs)
+        return outputs[:count], outputs[count:]
+
+    def update_batch_norms(self) -> None:
+        for batch_norm in self.batch_norms:
+            batch_norm.update()
+
+    def restore_batch_norms(self) -> None:
+        for batch_norm in self.batch_norms:
+            batch_norm.restore_old()
+
+    def batch_norm_tensors(self) -> list:
+        return [tensor for batch_norm in self.batch_norms for tensor in (batch_norm.mean, batch_norm.var)]
+
+    def batch_norm_copies(self) -> dict:
+        """{running-stat name: CPU copy} of every BatchNorm's statistics."""
+        return {name: tensor.detach().cpu().clone()
+                for bn in self.batch_norms for name, tensor in zip(bn.names, (bn.mean, bn.var))}  # fmt: skip
+
+    def run_eval(self, inputs, requested):
+        self.bind_batch(self.eval_session, inputs)
+        self.eval_session.allocate_outputs(requested)
+        try:
+            return self.eval_session.run()
+        except RuntimeError as error:
+            raise graph.run_error(error) from error
+
+    def check_batch(self, inputs) -> None:
+        """Before any run: the shapes a frozen trace allows, and token ids and class targets inside
+        the range torch accepts (graph.index_ranges, found at the first batch)."""
+        if self.frozen is not None:
+            self.frozen.check_batch(self.model_desc.inputs, inputs)
+        by_name = {entry.name: tensor for entry, tensor in zip(self.model_desc.inputs, inputs)}
+        if self.index_ranges is None:
+            self.index_ranges = graph.index_ranges(self.onnx_model, {name: list(t.shape) for name, t in by_name.items()})
+        for bound in self.index_ranges:
+            _check_index_range(bound, by_name[bound.input])
+
+    def check_export(self) -> None:
+        """debug.check_model_export: the eval graph must reproduce torch's eval-mode outputs of the first batch."""
+        if self.export_sample is None:
+            return
+        inputs, torch_outputs = self.export_sample
+        self.export_sample = None
+        onnx_outputs = self.run_eval([tensor.to(self.device) for tensor in inputs], [e.name for e in self.model_desc.outputs])
+        for entry, expected, actual in zip(self.model_desc.outputs, torch_outputs, onnx_outputs):
+            if not torch.allclose(expected, actual.cpu(), rtol=1e-2, atol=1e-6):
+                difference = (expected - actual.cpu()).abs().max().item()
+                raise AssertionError(
+                    f"debug.check_model_export: ONNX output '{entry.name}' differs from torch (max abs difference {difference})"
+                )
+
+    def inference_model(self, with_loss: bool = True) -> onnx.ModelProto:
+        """The forward graph with the current weights (copied into its initializers) in inference
+        mode: dropout off, BatchNorm on running statistics; without the loss unless ``with_loss``."""
+        for initializer in self.onnx_model.graph.initializer:
+            if initializer.name in self.weights:
+                initializer.CopyFrom(numpy_helper.from_array(self.weights[initializer.name].cpu().numpy(), initializer.name))
+        model = copy.deepcopy(self.onnx_model)
+        graph.set_inference_mode(model)
+        if not with_loss:
+            loss = self.model_desc.loss_output.name
+            graph.keep_outputs(model, [entry.name for entry in self.model_desc.outputs if entry.name != loss])
+        return model
+
+
+def _check_index_range(bound, indices) -> None:
+    outside = (indices < 0) | (indices >= bound.size)
+    if bound.ignore_index is not None:
+        outside &= indices != bound.ignore_index
+    if bool(outside.any()):
+        position = tuple(int(i) for i in outside.nonzero()[0])
+        allowed = f"0..{bound.size - 1}" + (f" or {bound.ignore_index} (ignore_index)" if bound.ignore_index is not None else "")
+        raise ValueError(
+            f"input '{bound.input}' holds {int(indices[position])} at index {list(position)}, outside {allowed}: "
+            f"it is read by {bound.consumer}; torch would raise too (an id past the vocabulary, a class past the "
+            "number of classes)"
+        )
+
+
+# ------------------------------------------------------------------ torch module
+def from_torch(model, loss_fn, input_names, inputs, options, model_desc, device, providers, data_parallel=None) -> Runtime:
+    """Export ``model`` (+ ``loss_fn``) with the first batch and build. ``model_desc`` None: inferred from the
+    batch; either way the Runtime's model_desc has the dtypes of inputs and outputs."""
+    module = export.module_for_export(model)
+    forward_names = _forward_names(module, input_names, loss_fn)
+    cpu_inputs = [tensor.cpu() for tensor in inputs]
+    outputs = export.sample_outputs(module, loss_fn, forward_names, cpu_inputs)
+    desc = model_desc or _ORTTrainerModelDesc(infer_model_desc(input_names, cpu_inputs, outputs))
+    outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+    loss_index = _loss_index(desc, outputs, loss_fn, inferred=model_desc is None)
+    export.refuse_custom_backward(module, loss_fn, forward_names, cpu_inputs, loss_index)
+    state = {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}  # export runs BN
+    export_arguments = (
+        loss_fn,
+        forward_names,
+        [(entry.name, entry.shape) for entry in desc.inputs],
+        [(entry.name, entry.shape) for entry in desc.outputs],
+        options._internal_use.onnx_opset_version,
+    )
+    onnx_model, lookups, frozen_values = export.export_to_onnx(module, cpu_inputs, *export_arguments)
+    frozen = None
+    if frozen_values:  # held to these shapes; re-exported once from a batch of other values (check_batch)
+        frozen = _FrozenValues(frozen_values, [list(t.shape) for t in cpu_inputs], cpu_inputs,
+                               (module, export_arguments), onnx_model)  # fmt: skip
+    onnx_model = _postprocess(onnx_model, options._internal_use.extra_postprocess)
+    facts = graph.infer_tensor_facts(onnx_model)
+    weights, trainable = _module_weights(module, state, onnx_model, desc.loss_output.name, options, device, facts)
+    runtime = _build(onnx_model, desc, weights, trainable, options, device, providers, data_parallel, facts, lookups)
+    runtime.aliases = _aliases(module)
+    runtime.unexported_state = {name: tensor for name, tensor in state.items()
+                                if name not in weights and name not in runtime.aliases}  # fmt: skip
+    runtime.batch_counters = _batch_counters(module, state)
+    runtime.frozen = frozen
+    if options.debug.check_against_torch != "off":
+        runtime.reference = (module, forward_names)  # the first train_step checks against it
+    for index, tensor in enumerate(outputs):
+        desc.add_type_to_output_description(index, tensor.dtype, getattr(desc.outputs[index], "dtype_amp", None))
+    if options.debug.check_model_export:
+        runtime.export_sample = (cpu_inputs, outputs)
+    return runtime
+
+
+def _forward_names(module, input_names, loss_fn) -> list:
+    """The inputs that go to ``forward`` (all but the label); each must be one of its parameters."""
+    label_count = 1 if loss_fn is not None else 0
+    forward_names = input_names[: len(input_names) - label_count]
+    signature = inspect.signature(module.forward).parameters
+    not_in_forward = [name for name in forward_names if name not in signature]
+    if not_in_forward:
+        raise ValueError(f"inputs {not_in_forward} are not parameters of {type(module).__name__}.forward{tuple(signature)}")
+    return forward_names
+
+
+def _loss_index(model_desc, outputs, loss_fn, inferred: bool) -> int:
+    """Where the loss is among the sample outputs; it must be a floating-point scalar."""
+    loss_output = model_desc.loss_output
+    loss_index = [entry.name for entry in model_desc.outputs].index(loss_output.name)
+    if len(outputs) != len(model_desc.outputs):
+        raise ValueError(
+            f"model_desc lists {len(model_desc.outputs)} outputs but the model"
+            + (" + loss_fn" if loss_fn else "")
+            + f" returns {len(outputs)}"
+        )
+    loss = outputs[loss_index]
+    if loss_fn is None and inferred and (loss.dim() != 0 or not loss.is_floating_point()):
+        raise ValueError(
+            f"no loss_fn was given, so the model's first output is taken as the loss, but it has shape {list(loss.shape)} "
+            f"dtype {loss.dtype}: pass loss_fn=(output, label) -> scalar loss (e.g. torch.nn.functional.cross_entropy) "
+            "and the label as the batch's last input, or return the scalar loss first from forward"
+        )
+    if loss.dim() != 0 or not loss.is_floating_point():
+        raise ValueError(
+            f"the loss output '{loss_output.name}' must be a floating-point scalar, got shape {list(loss.shape)} "
+            f"dtype {loss.dtype}; reduce it (e.g. .mean()) in the model or loss_fn"
+        )
+    return loss_index
+
+
+def _postprocess(onnx_model, postprocess):
+    """``_internal_use.extra_postprocess``: the user's function on the exported graph, which it
+    may change in place or return changed (the first-step check compares the result with torch)."""
+    if postprocess is None:
+        return onnx_model
+    returned = postprocess(onnx_model)
+    if returned is not None and not isinstance(returned, onnx.ModelProto):
+        raise TypeError(
+            f"options _internal_use.extra_postprocess must change the onnx.ModelProto in place or return one, "
+            f"got {type(returned).__name__}"
+        )
+    return returned if returned is not None else onnx_model
+
+
+def _module_weights(module, state, onnx_model, loss_name, options, device, facts):
+    """(weights on the device, trainable names): parameters with requires_grad that reach the loss
+    train; the other exported state (frozen parameters, buffers) is bound without a gradient."""
+    initializers = {init.name for init in onnx_model.graph.initializer}
+    frozen_names = set(options.utils.frozen_weights)
+    requires_grad = [
+        name
+        for name, parameter in module.named_parameters()
+        if parameter.requires_grad and name in initializers and name not in frozen_names
+    ]
+    if not requires_grad:
+        raise ValueError(
+            f"{type(module).__name__} has no parameter to train (none, all with requires_grad=False, or all in "
+            "options utils.frozen_weights); torch's optimizers refuse an empty parameter list too"
+        )
+    # a weight that reaches only other outputs gets no gradient in torch (grad None): it is not trained
+    trainable = graph.weights_reaching_loss(onnx_model, requires_grad, loss_name, facts)
+    frozen = [name for name in state if name in initializers and name not in trainable]
+    return {name: state[name].to(device).contiguous() for name in trainable + frozen}, trainable
+
+
+def _aliases(module: torch.nn.Module) -> dict:
+    """{alias: first name} of tensors the module's state_dict lists under several names (tied weights)."""
+    first, aliases = {}, {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        aliases.update({name: first[id(tensor)]} if id(tensor) in first else {})
+        first.setdefault(id(tensor), name)
+    return aliases
+
+
+def _batch_counters(module: torch.nn.Module, state: dict) -> dict:
+    """``num_batches_tracked`` of every BatchNorm that counts in training mode (the graph does not)."""
+    return {
+        f"{path}.num_batches_tracked": state[f"{path}.num_batches_tracked"]
+        for path, layer in module.named_modules()
+        if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm) and layer.track_running_stats and layer.training
+    }
+
+
+# -------------------------------------------------------------------- ONNX model
+def from_onnx(model: onnx.ModelProto, options, model_desc, device, providers, data_parallel=None) -> Runtime:
+    """An ONNX forward+loss model (the trainer's own copy): float initializers that reach the loss are
+    trained, unless frozen or BatchNorm statistics. ``model_desc`` None: the graph's inputs and outputs,
+    the first output the loss."""
+    graph.name_unnamed_nodes(model.graph)
+    model_desc = model_desc or _model_desc_of(model)
+    frozen_names = set(options.utils.frozen_weights)
+    weights = {
+        init.name: torch.from_numpy(numpy_helper.to_array(init).copy()).to(device)
+        for init in model.graph.initializer
+        if session.torch_dtype(init.data_type).is_floating_point
+    }
+    buffers = graph.batch_norm_statistics(model)
+    candidates = [name for name in weights if name not in frozen_names and name not in buffers]
+    facts = graph.infer_tensor_facts(model)
+    trainable = graph.weights_reaching_loss(model, candidates, model_desc.loss_output.name, facts)
+    return _build(model, model_desc, weights, trainable, options, device, providers, data_parallel, facts)
+
+
+def _model_desc_of(model: onnx.ModelProto) -> _ORTTrainerModelDesc:
+    initializer_names = {init.name for init in model.graph.initializer}
+    inputs = [(i.name, _shape_of(i)) for i in model.graph.input if i.name not in initializer_names]
+    outputs = [(o.name, _shape_of(o), index == 0) for index, o in enumerate(model.graph.output)]
+    return _ORTTrainerModelDesc({"inputs": inputs, "outputs": outputs})
+
+
+def _shape_of(value_info):
+    return [dim.dim_param if dim.dim_param else dim.dim_value for dim in value_info.type.tensor_type.shape.dim]
+
+
+# ----------------------------------------------------------------------- both
+def _build(onnx_model, model_desc, weights, trainable, options, device, providers, data_parallel, facts, lookups=None):
+    """Gradient and eval graphs, their sessions bound to ``weights``, and on several ranks the check
+    that every rank built the same (then all start from rank 0's weights)."""
+    frozen = [name for name in weights if name not in trainable]
+    mixed_precision = options.mixed_precision.enabled
+    graphs = graph.build_training_graphs(
+        onnx_model, trainable, frozen, model_desc.loss_output.name, [entry.name for entry in model_desc.outputs],
+        mixed_precision, fast_cpu_kernels=device.type == "cpu", lookups=lookups, facts=facts,
+    )  # fmt: skip
+    _save_debug_graphs(graphs, options.debug.graph_save_paths)
+    one_thread = device.type == "cpu" and graph.small_convolutions_dominate(onnx_model, facts)
+    sessions = _open_sessions(graphs, device, providers, options, one_thread)
+    _record_input_types(model_desc, graphs.eval)
+    loss_scale = torch.tensor(options.mixed_precision.loss_scaler.loss_scale, device=device) if mixed_precision else None
+    runtime = Runtime(model_desc, onnx_model, graphs, sessions, weights, trainable, loss_scale, device)
+    if data_parallel is not None:
+        fingerprint = graphs.train.SerializeToString() + repr(_comparable_options(options)).encode()
+        runtime.owned = data_parallel.start(weights, trainable, fingerprint)
+    return runtime
+
+
+def _open_sessions(graphs, device, providers, options, one_thread: bool):
+    """(training session, eval session); a training graph ONNX Runtime has no kernel for is named."""
+    debug = options.debug
+    session_options = session.session_options(
+        options.session_options,
+        debug.deterministic_compute,
+        debug.graph_save_paths.model_with_training_graph_after_optimization_path,
+        threads=1 if one_thread else None,
+    )
+    try:
+        train_session = session.TorchBoundSession(graphs.train, device, providers, session_options)
+    except onnxruntime.capi.onnxruntime_pybind11_state.NotImplemented as error:
+        raise graph.missing_kernel_error(error, device) from error
+    return train_session, session.TorchBoundSession(graphs.eval, device, providers, session_options)
+
+
+def _record_input_types(model_desc, eval_model) -> None:
+    """Input dtypes from the graph; outputs the graph computes in float16 get ``dtype_amp``."""
+    types = {graph_input.name: graph_input.type.tensor_type.elem_type for graph_input in eval_model.graph.input}
+    for index, entry in enumerate(model_desc.inputs):
+        if entry.name in types:
+            model_desc.add_type_to_input_description(index, session.torch_dtype(types[entry.name]))
+    output_types = {output.name: output.type.tensor_type.elem_type for output in eval_model.graph.output}
+    for index, entry in enumerate(model_desc.outputs):
+        if output_types.get(entry.name) == onnx.TensorProto.FLOAT16:
+            model_desc.add_type_to_output_description(index, getattr(entry, "dtype", torch.float32), torch.float16)
+
+
+def _save_debug_graphs(graphs, paths) -> None:
+    """options debug.graph_save_paths."""
+    if paths.model_with_gradient_graph_path:
+        onnx.save(graphs.train, paths.model_with_gradient_graph_path)
+    if paths.model_with_training_graph_path:
+        onnx.save(graphs.train, paths.model_with_training_graph_path)
+    if paths.model_after_graph_transforms_path:
+        onnx.save(graphs.eval, paths.model_after_graph_transforms_path)
+
+
+def _comparable_options(options):
+    """The options every rank must share (its own rank numbers aside)."""
+    validated = dict(options._validated_opts)
+    validated["distributed"] = {k: v for k, v in validated["distributed"].items() if k not in ("world_rank", "local_rank")}
+    return sorted((key, repr(value)) for key, value in validated.items() if key not in ("session_options", "lr_scheduler"))
+
+
+# ------------------------------------------------------- what a step relies on
+class _BatchNormStatistics:
+    """Carries one BatchNorm's running statistics back into the trainer's buffers as torch computes them.
+
+    ONNX Runtime overwrites the running-stat inputs in place and uses the biased batch
+    variance; torch uses the unbiased one. With the old variance saved before the run,
+    ``new = ort + (ort - momentum * old) / (n - 1)`` is torch's value.
+    """
+
+    def __init__(self, stats, weights, bound_session):
+        self.names = (stats.mean_input, stats.var_input)
+        self.mean = weights[stats.mean_input]
+        self.var = weights[stats.var_input]
+        self.momentum = stats.momentum
+        self.module = graph.module_path(stats.node_name)
+        self.new_mean = torch.empty_like(self.mean)
+        self.new_var = torch.empty_like(self.var)
+        self.old_mean = torch.empty_like(self.mean)
+        self.old_var = torch.empty_like(self.var)
+        self.count = torch.empty((), dtype=torch.int64, device=self.var.device)
+        bound_session.bind_output(stats.mean_output, self.new_mean)
+        bound_session.bind_output(stats.var_output, self.new_var)
+        bound_session.bind_output(stats.count_output, self.count)
+
+    def save_old(self):
+        self.old_mean.copy_(self.mean)
+        self.old_var.copy_(self.var)
+
+    def restore_old(self):
+        """Undo the run: ONNX Runtime wrote the new statistics into the inputs in place."""
+        self.mean.copy_(self.old_mean)
+        self.var.copy_(self.old_var)
+
+    def update(self):
+        self.mean.copy_(self.new_mean)
+        self.var.copy_(self.new_var + (self.new_var - self.momentum * self.old_var) / (self.count - 1))
+
+
+def _check_values_per_channel(batch_norms) -> None:
+    """torch refuses training-mode batch norm over one value per channel (its variance is undefined);
+    so does the trainer, after undoing what the run did to the running statistics."""
+    if not batch_norms or int(torch.stack([bn.count for bn in batch_norms]).min()) > 1:
+        return
+    for batch_norm in batch_norms:
+        batch_norm.restore_old()
+    modules = [f"'{bn.module}'" for bn in batch_norms if int(bn.count) <= 1]
+    raise ValueError(
+        f"Expected more than 1 value per channel when training: batch norm {', '.join(modules)} got 1 value per channel "
+        "for this batch (e.g. a batch of 1 into BatchNorm1d); torch raises the same error. Drop or pad such batches."
+    )
+
+
+class _FrozenValues:
+    """The trace froze values of the first batch (``export._FROZEN_VALUE``): a width, or data.
+
+    Batches must keep the first batch's shapes; the first batch with other values is
+    exported again, and the graph must come out the same, or the trace depended on data.
+    """
+
+    def __init__(self, locations, shapes, first_inputs, export_from, first_graph):
+        self.locations, self.shapes, self.first_inputs = locations, shapes, first_inputs
+        self.export_from = export_from  # (module copy, the other export arguments)
+        self.first_graph = _without_initializers(first_graph)
+
+    def _check_shapes(self, entries, inputs):
+        for entry, tensor, shape in zip(entries, inputs, self.shapes):
+            if list(tensor.shape) != shape:
+                raise ValueError(
+                    f"input '{entry.name}' has shape {list(tensor.shape)}, but this model's graph only takes the first "
+                    f"batch's shapes ({shape} for '{entry.name}'): its trace turned tensor values into Python numbers at\n- "
+                    + "\n- ".join(self.locations)
+                    + "\nKeep those computations in tensor ops (x.shape[0] rather than int(...)) to train other shapes."
+                )
+
+    def check_batch(self, entries, inputs):
+        """The first batch's shapes, and one export from the first batch of other values (then the
+        export copy of the module is let go)."""
+        self._check_shapes(entries, inputs)
+        cpu_inputs = [tensor.cpu() for tensor in inputs]
+        if self.export_from is None or all(torch.equal(first, now) for first, now in zip(self.first_inputs, cpu_inputs)):
+            return
+        module, arguments = self.export_from
+        again, _, _ = export.export_to_onnx(module, cpu_inputs, *arguments)
+        export.refuse_data_dependent_trace(self.first_graph, _without_initializers(again), self.locations)
+        self.export_from = self.first_inputs = self.first_graph = None
+
+
+def _without_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The graph's structure and constants, without the weights (they change as training goes on)."""
+    copied = onnx.ModelProto()
+    copied.CopyFrom(model)
+    del copied.graph.initializer[:]
+    return copied

@@ -1,0 +1,221 @@
+"""What a trainer's checkpoint holds: capture in the legacy layout, check, restore; and its files.
+
+``TrainerState.capture`` reads the live tensors into the legacy ``state_dict`` layout (numpy
+arrays): ``model.full_precision`` (weights and buffers under their torch names),
+``optimizer`` (the optimizer's own state_dict), ``trainer_options``, ``train_step_info``
+(step counters and the dropout seed) and, when they apply, ``gradient_accumulation``
+(gradients summed inside a window), ``partition_info`` (ZeRO-1 owners) and ``loss_scaler``
+(the scaler's own state_dict). ``restore`` checks everything first (keys when strict,
+shapes, dtypes, optimizer name) and only then copies into the live tensors, so that a bad
+dict leaves the trainer unchanged. ``write_checkpoint``/``read_checkpoint`` put a state in
+files on one or several ranks (checkpoint.py stores it).
+"""
+
+import functools
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import checkpoint, distributed
+
+
+@dataclass
+class TrainerState:
+    """The live parts of a built trainer that its state_dict reads and load_state_dict writes."""
+
+    runtime: object  # build.Runtime: weights, buffers, tied-weight aliases
+    gradients: object  # gradients.Gradients
+    optimizer: object
+    options: object  # the trainer's ORTTrainerOptions
+    optimizer_name: str
+    data_parallel: object  # distributed.DataParallel, or None in one process
+    world: object  # distributed.World
+    info: object  # the trainer's TrainStepInfo
+    seed: int  # the dropout seed
+
+    def model(self) -> dict:
+        """{name: CPU copy} of every weight and buffer, named like torch's state_dict() (tied
+        weights under their first name only)."""
+        runtime = self.runtime
+        tensors = {**runtime.weights, **runtime.batch_counters, **runtime.unexported_state}
+        return {name: tensor.detach().cpu().clone() for name, tensor in tensors.items()}
+
+    def pytorch(self) -> dict:
+        """Every name torch's state_dict() has: a tied weight under each of its names."""
+        model_state = self.model()
+        return {**model_state, **{alias: model_state[name] for alias, name in self.runtime.aliases.items()}}
+
+    def capture(self) -> dict:
+        """The legacy state_dict (see the module docstring)."""
+        settings = self.options.distributed
+        inside_window = self.info.step % self.options.batch.gradient_accumulation_steps != 0
+        return {
+            "model": {"full_precision": {name: tensor.numpy() for name, tensor in self.model().items()}},
+            "optimizer": _to_numpy(self.optimizer.state_dict()),
+            "trainer_options": {
+                "mixed_precision": self.options.mixed_precision.enabled,
+                "zero_stage": settings.deepspeed_zero_optimization.stage,
+                "world_rank": settings.world_rank,
+                "world_size": settings.world_size,
+                "optimizer_name": self.optimizer_name,
+                "data_parallel_size": settings.data_parallel_size,
+                "horizontal_parallel_size": settings.horizontal_parallel_size,
+            },
+            "train_step_info": {
+                "optimization_step": self.info.optimization_step, "step": self.info.step, "dropout_seed": self.seed,
+            },  # fmt: skip
+            **self.gradients.accumulation_state(inside_window),
+            **self._partition_state(),
+            **self._loss_scaler_state(),
+        }
+
+    def _partition_state(self) -> dict:
+        """ZeRO-1: which rank holds each weight's optimizer state (legacy key ``partition_info``)."""
+        if not _optimizer_state_sharded(self.data_parallel):
+            return {}
+        return {
+            "partition_info": {
+                name: {"original_dim": np.array(self.runtime.weights[name].shape, dtype=np.int64), "owner_rank": np.int64(rank)}
+                for name, rank in self.data_parallel.owner.items()
+            }
+        }
+
+    def _loss_scaler_state(self) -> dict:
+        mixed_precision = self.options.mixed_precision
+        return {"loss_scaler": mixed_precision.loss_scaler.state_dict()} if mixed_precision.enabled else {}
+
+    def restore(self, state: dict, strict: bool) -> int:
+        """Check all of ``state`` against the trainer's, then apply it; return the dropout seed to use."""
+        current = self.capture()
+        for group in ("model", "optimizer", "train_step_info"):
+            if group not in state:
+                warnings.warn(f"Missing key: {group} in state_dict")
+        weights = self._checked_weights(state, current["model"], strict)
+        optimizer = self._checked_optimizer(state, current["optimizer"], strict)
+        accumulated = self._checked_accumulation(state, current["model"]["full_precision"])
+        # everything is checked: apply
+        runtime = self.runtime
+        live = {**runtime.weights, **runtime.batch_counters, **runtime.unexported_state}
+        for name, value in weights.items():
+            live[name].copy_(value)
+        if optimizer is not None:
+            self.optimizer.load_state_dict(optimizer)
+        self.gradients.load_accumulated(accumulated)
+        if state.get("loss_scaler") is not None and self.options.mixed_precision.enabled:
+            self.options.mixed_precision.loss_scaler.load_state_dict(state["loss_scaler"])
+        return self._restore_step_info(state.get("train_step_info"))
+
+    def _checked_weights(self, state, current, strict) -> dict:
+        """{name: tensor} of the weights and buffers in ``state`` (tied aliases dropped: the same tensor)."""
+        model = {precision: {name: value for name, value in values.items() if name not in self.runtime.aliases}
+                 for precision, values in state.get("model", {}).items()}  # fmt: skip
+        if strict and "model" in state:
+            checkpoint.compare_keys(current, model, "state_dict[model]")
+        weights = {}
+        full_precision = current["full_precision"]
+        for precision, values in model.items():
+            if strict:
+                checkpoint.compare_keys(full_precision, values, f"state_dict[model][{precision}]")
+            for name, value in values.items():
+                if name in full_precision:
+                    weights[name] = _checked_tensor(value, full_precision[name], f"state_dict[model][{precision}][{name}]")
+                elif strict:
+                    raise RuntimeError(f"Unexpected key: {name} in state_dict[model][{precision}]")
+        return weights
+
+    def _checked_optimizer(self, state, current, strict):
+        """The optimizer state of ``state`` as tensors, or None when it has none."""
+        optimizer = state.get("optimizer")
+        if optimizer is None:
+            return None
+        given_name = state.get("trainer_options", {}).get("optimizer_name")
+        if isinstance(given_name, bytes):
+            given_name = given_name.decode()
+        if given_name != self.optimizer_name:
+            raise RuntimeError(f"Optimizer mismatch: expected {self.optimizer_name}, got {given_name}")
+        if strict:  # a ZeRO rank holds part of the optimizer state: other ranks' entries are expected
+            checkpoint.compare_keys(current, optimizer, "state_dict[optimizer]",
+                                    allow_unexpected=_optimizer_state_sharded(self.data_parallel))  # fmt: skip
+        return {
+            name: {key: _checked_tensor(value, current[name][key], f"state_dict[optimizer][{name}][{key}]")
+                   for key, value in entry.items() if key in current.get(name, {})}
+            for name, entry in optimizer.items() if name in current
+        }  # fmt: skip
+
+    def _checked_accumulation(self, state, full_precision) -> dict:
+        """The partial gradient sums of a checkpoint taken inside an accumulation window (one process only)."""
+        if "gradient_accumulation" in state and self.world.is_distributed:
+            raise ValueError(
+                "this checkpoint was taken inside a gradient-accumulation window; its partial gradient sum cannot be "
+                f"split over {self.world.size} ranks (each would add all of it): resume it in one process, or save at a "
+                "window boundary"
+            )
+        return {
+            name: _checked_tensor(value, full_precision[name], f"state_dict[gradient_accumulation][{name}]")
+            for name, value in state.get("gradient_accumulation", {}).items()
+        }
+
+    def _restore_step_info(self, info) -> int:
+        if info is None:
+            return self.seed
+        self.info.step = int(info["step"])
+        self.info.optimization_step = int(info["optimization_step"])
+        return int(info["dropout_seed"]) if "dropout_seed" in info else self.seed
+
+
+def _optimizer_state_sharded(data_parallel) -> bool:
+    """ZeRO-1 on several ranks: each holds the optimizer state of the weights it owns."""
+    return data_parallel is not None and bool(data_parallel.owner)
+
+
+def write_checkpoint(state: dict, path, world, data_parallel, step: int, overwrite=False, consolidate=False) -> None:
+    """Write ``state`` (a state_dict, + user_dict) to ``path``: in one process directly; on several
+    ranks rank 0 writes, or under ZeRO every rank its own ``{rank}`` file or, with ``consolidate``,
+    rank 0 the merged parts. If any rank's write fails, every rank raises RankWriteError."""
+    if data_parallel is None:
+        checkpoint.save(state, path, overwrite=overwrite)
+        return
+    sharded = _optimizer_state_sharded(data_parallel)
+    per_rank = sharded and not consolidate
+    if per_rank and "{rank}" not in str(path):
+        raise ValueError(f"ZeRO checkpoints are per rank: put '{{rank}}' in the path ({path}) or pass consolidate=True")
+    checkpoint.check_not_mid_window(state, f"cannot save checkpoint {path}")
+    if sharded and not per_rank:
+        state = checkpoint.merge_rank_states(distributed.gather_objects(world, state))
+    target = str(path).format(rank=world.rank) if per_rank else path
+    writes_here = per_rank or world.rank == 0  # otherwise rank 0 writes the one file
+    write = functools.partial(checkpoint.save, state, target, overwrite=overwrite) if writes_here else None
+    distributed.write_together(world, write, f"saving checkpoint {path} at step {step}")
+
+
+def read_checkpoint(paths, world_size: int, allow_pickle: bool):
+    """(state, user_dict) of a checkpoint written by ``write_checkpoint`` or the legacy ORTTrainer;
+    per-rank ZeRO files (several paths, or one with ``{rank}``) are aggregated first."""
+    if len(paths) == 1 and "{rank}" in str(paths[0]):
+        paths = [str(paths[0]).format(rank=rank) for rank in range(world_size)]
+    if len(paths) > 1:
+        state = checkpoint.aggregate_checkpoints(list(paths), pytorch_format=False)
+    else:
+        state = checkpoint.load(paths[0])
+    checkpoint.check_is_checkpoint(state, paths[0])
+    return state, checkpoint.user_dict_from(state, paths[0], allow_pickle)
+
+
+def _checked_tensor(value, current, where):
+    """``value`` as a tensor shaped and typed like ``current``; a clear error otherwise."""
+    tensor = torch.as_tensor(np.asarray(value))
+    if tuple(tensor.shape) != tuple(np.shape(current)):
+        raise RuntimeError(f"{where} has shape {list(tensor.shape)}, the trainer's has {list(np.shape(current))}")
+    expected = torch.as_tensor(np.asarray(current)).dtype
+    if tensor.dtype != expected:
+        raise RuntimeError(f"{where} has dtype {tensor.dtype}, the trainer's has {expected}")
+    return tensor
+
+
+def _to_numpy(tree):
+    """Copy every tensor of a nested dict to a CPU numpy array."""
+    if isinstance(tree, dict):
+        return {key: _to_numpy(value) for key, value in tree.items()}
+    return tree.detach().cpu().numpy().copy()
