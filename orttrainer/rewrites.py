@@ -10,7 +10,7 @@ graph; only the training graph is rewritten, inference keeps the original (faste
 """
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
@@ -40,6 +40,7 @@ class GraphFacts:
     producers: dict  # tensor name -> the node that outputs it
     consumers: dict  # tensor name -> the nodes that read it, in graph order
     targets: set  # names of the nodes being replaced
+    symbols: dict = field(default_factory=dict)  # tensor name -> shape with dim_param names (str) kept
 
 
 class OpEmitter:
@@ -846,6 +847,177 @@ def einsum(build):
     _transpose(build, product, "".join(batch + left + right), output, _output(build))
 
 
+
+def _transposed_kernel(build, weight, shape, groups):
+    """ConvTranspose's weight [C_in, C_out / g, k...] (of static ``shape``) as the equivalent Conv's
+    [C_out, C_in / g, k...], spatially flipped; computed in the graph, so the trained tensor
+    stays the original weight."""
+    spatial = list(range(2, len(shape)))
+    parts = _split(build, weight, 0, [shape[0] // groups] * groups) if groups > 1 else [weight]
+    merged = build.op("Concat", [build.op("Transpose", [part], perm=[1, 0, *spatial]) for part in parts], axis=0)
+    for axis, size in zip(spatial, shape[2:]):
+        merged = _reversed(build, merged, axis, size)
+    return merged
+
+
+def _reversed(build, x, axis, size):
+    """x in reverse order along ``axis`` (of static ``size``), as a Split and a Concat: exact both
+    ways (a Slice with step -1 has no working SliceGrad in ONNX Runtime 1.19)."""
+    return x if size == 1 else build.op("Concat", _split(build, x, axis, [1] * size)[::-1], axis=axis)
+
+
+def _split(build, x, axis, sizes):
+    """The parts of x along ``axis`` of the given sizes (a Split node)."""
+    parts = [build.fresh_name() for _ in sizes]
+    if build.opset >= 13:
+        split = helper.make_node("Split", [x, build.const(sizes, np.int64)], parts, name=build.fresh_name(), axis=axis)
+    else:
+        split = helper.make_node("Split", [x], parts, name=build.fresh_name(), axis=axis, split=list(sizes))
+    build.nodes.append(split)
+    return parts
+
+
+def _interleaved_with_zeros(build, x, strides):
+    """x with stride - 1 zeros after each value along each spatial axis (also after the last)."""
+    rank = len(strides) + 2
+    gaps = [2 * axis + 1 for axis in range(1, rank - 1)]  # a new axis after each spatial one
+    spread = build.unsqueeze(x, gaps)
+    pads = [0] * (2 * (rank + len(gaps)))
+    for gap, stride in zip(gaps, strides):
+        pads[rank + len(gaps) + gap] = stride - 1
+    padded = build.op("Pad", [spread, build.const(pads, np.int64)])
+    size = build.op("Mul", [build.op("Shape", [x]), build.const([1, 1, *strides], np.int64)])
+    return build.op("Reshape", [padded, size])
+
+
+def conv_transpose(build):
+    """ConvTranspose as a Conv (ONNX Runtime 1.19 has no CPU kernel for ConvTranspose's gradient):
+    the input interleaved with stride - 1 zeros, padded by dilation * (kernel - 1) - pads (plus
+    output_padding at the end; a negative amount crops), convolved with the flipped, transposed
+    kernel at the same dilation and groups. The stride's zeros cost stride^dims times torch's
+    multiply-adds."""
+    x, weight = build.node.input[:2]
+    if build.attribute("auto_pad", "NOTSET") != "NOTSET" or build.attribute("output_shape") is not None:
+        raise RewriteError(f"ConvTranspose node '{build.node.name}' with auto_pad or output_shape cannot be rewritten")
+    shape = build.static_dims(weight, range(len(build.shape(weight))))
+    dims = len(shape) - 2
+    strides, dilations, pads, extra = (list(build.attribute(name, [default] * count)) for name, default, count in
+                                       (("strides", 1, dims), ("dilations", 1, dims), ("pads", 0, 2 * dims),
+                                        ("output_padding", 0, dims)))  # fmt: skip
+    one_dimensional = dims == 1
+    if one_dimensional:  # as a 2-d one over [N, C, 1, L]: ONNX Runtime 1.19's 1-d grouped ConvGrad gave wrong weight gradients here
+        x, weight = build.unsqueeze(x, [2]), build.unsqueeze(weight, [2])
+        shape, strides, dilations, extra = shape[:2] + [1] + shape[2:], [1, *strides], [1, *dilations], [0, *extra]
+        pads, dims = [0, pads[0], 0, pads[1]], 2
+    kernel, groups = shape[2:], build.attribute("group", 1)
+    if any(stride > 1 for stride in strides):
+        x = _interleaved_with_zeros(build, x, strides)
+    reach = [dilation * (size - 1) for dilation, size in zip(dilations, kernel)]
+    before = [r - pad for r, pad in zip(reach, pads[:dims])]
+    after = [r - pad + more - (stride - 1) for r, pad, more, stride in zip(reach, pads[dims:], extra, strides)]
+    if any(before + after):
+        x = build.op("Pad", [x, build.const([0, 0, *before, 0, 0, *after], np.int64)])
+    inputs = [x, _transposed_kernel(build, weight, shape, groups), *build.node.input[2:3]]
+    result = build.op("Conv", inputs, None if one_dimensional else _output(build), dilations=dilations, group=groups,
+                      kernel_shape=kernel, pads=[0] * 2 * dims, strides=[1] * dims)  # fmt: skip
+    if one_dimensional:
+        build.squeeze(result, [2], _output(build))
+
+
+def _broadcast_dims(shapes):
+    """The shape broadcasting gives ``shapes`` (symbolic_shapes' form; None where it is unknown)."""
+    rank = max(len(shape) for shape in shapes)
+    result = []
+    for dims in zip(*([1] * (rank - len(shape)) + list(shape) for shape in shapes)):
+        sizes = {dim for dim in dims if dim != 1}
+        sizes_known = {dim for dim in sizes if isinstance(dim, int)}
+        if len(sizes) <= 1:
+            result.append(sizes.pop() if sizes else 1)
+        else:  # a dim_param against a size > 1 must equal it (or be 1) for the op to run
+            result.append(sizes_known.pop() if len(sizes_known) == 1 and None not in sizes else None)
+    return result
+
+
+def _axes_misread(first, second) -> bool:
+    """Whether onnxruntime-training's broadcast-gradient axes can be wrong for these two input
+    shapes: with both fully named, it takes two different dim_params, or a dim_param and a size
+    > 1, to be equal, and then leaves a broadcast axis unreduced (with an unknown size it
+    computes the axes at run time, correctly)."""
+    if None in first or None in second:
+        return False
+    pairs = zip(reversed(first), reversed(second))
+    return any(a != b and 1 not in (a, b) and (isinstance(a, str) or isinstance(b, str)) for a, b in pairs)
+
+
+def _runtime_broadcast_shape(build, shapes):
+    """The shape the node's inputs broadcast to, computed at run time from their Shapes."""
+    rank = max(len(shape) for shape in shapes)
+    target = None
+    for name, shape in zip(build.node.input, shapes):
+        size = build.op("Shape", [name])
+        if len(shape) < rank:
+            size = build.op("Concat", [build.const([1] * (rank - len(shape)), np.int64), size], axis=0)
+        target = size if target is None else where(build, build.op("Equal", [target, build.const(1, np.int64)]), size, target)
+    return target
+
+
+def _tiled(build, name, shape, target, rank):
+    """``name`` (of ``shape``) repeated along its size-1 axes up to the shape ``target`` of
+    ``rank``. Tile's gradient reshapes and sums with shapes taken at run time, so no inferred
+    dim_param can mislead it."""
+    if len(shape) < rank:
+        name = build.unsqueeze(name, list(range(rank - len(shape))))
+    one = build.const(1, np.int64)
+    repeats = where(build, build.op("Equal", [build.op("Shape", [name]), one]), target, one)
+    return build.op("Tile", [name, repeats])
+
+
+def _broadcast_inputs(build, shapes, output, expanded):
+    """{input index: the input broadcast to the output's shape} for the ``expanded`` inputs.
+
+    Expand when its gradient's axes are readable (each expanded size is 1 or the output's), to
+    a constant shape when every size is known, else the Shape of an input that has the
+    output's shape, else the run-time broadcast; otherwise Tile (_tiled).
+    """
+    readable = all(dim in (1, size) for index in expanded for dim, size in zip(reversed(shapes[index]), reversed(output)))
+    full = next((name for name, shape in zip(build.node.input, shapes) if shape == output), None)
+    if readable and all(isinstance(dim, int) for dim in output):
+        target = build.const(output, np.int64)
+    elif readable and full is not None:
+        target = build.op("Shape", [full])
+    else:
+        target = _runtime_broadcast_shape(build, shapes)
+    if readable:
+        return {index: build.op("Expand", [build.node.input[index], target]) for index in expanded}
+    return {index: _tiled(build, build.node.input[index], shapes[index], target, len(output)) for index in expanded}
+
+
+def broadcast_gradient(build):
+    """Where, Add, Sub, Mul, Div, Pow, Max, Min with their broadcast inputs expanded to the output's
+    shape first, where onnxruntime-training 1.19's gradient would not reduce to the input's shape:
+    Where's and Pow's (base) never do; the others' do unless _axes_misread. Expand's and Tile's
+    gradients sum over the broadcast axes, as torch's does. Other nodes are kept (returns False)."""
+    node = build.node
+    shapes = [build.facts.symbols.get(name) for name in node.input]
+    if any(shape is None for shape in shapes):
+        if node.op_type == "Where":
+            raise RewriteError(f"Where node '{node.name}': the rank of an input is unknown, so its gradient cannot be "
+                               "reduced to that input's shape")  # fmt: skip
+        return False
+    output = _broadcast_dims(shapes)
+    differentiable = [index for index, name in enumerate(node.input)
+                      if name not in build.constants and not (node.op_type == "Where" and index == 0)]  # fmt: skip
+    misread = node.op_type in ("Where", "Pow") or any(_axes_misread(shapes[i], shapes[j]) for i in differentiable for j in range(i))
+    expanded = [index for index in differentiable if shapes[index] != output] if misread else []
+    if not expanded:
+        return False
+    broadcast = _broadcast_inputs(build, shapes, output, expanded)
+    inputs = [broadcast.get(index, name) for index, name in enumerate(node.input)]
+    attributes = {attribute.name: helper.get_attribute_value(attribute) for attribute in node.attribute}
+    build.op(node.op_type, inputs, _output(build), **attributes)
+    return True
+
+
 REWRITES = {
     "Softplus": softplus,
     "Elu": elu,
@@ -876,20 +1048,36 @@ REWRITES = {
     "Atanh": atanh,
     "Sign": sign,
     "Einsum": einsum,
+    "ConvTranspose": conv_transpose,
+    **dict.fromkeys(("Where", "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min"), broadcast_gradient),
 }
 
 
-def static_shapes(model: onnx.ModelProto) -> dict:
-    """Tensor name -> shape from ONNX shape inference (None for dynamic dims)."""
+def _symbolic_dim(dim):
+    """A dimension's size, its dim_param, or None: also for the names onnx's inference makes up
+    for sizes it cannot tell (unk__N), which ONNX Runtime's own inference leaves unnamed."""
+    if dim.HasField("dim_value"):
+        return dim.dim_value
+    return dim.dim_param if dim.dim_param and not dim.dim_param.startswith("unk__") else None
+
+
+def symbolic_shapes(model: onnx.ModelProto) -> dict:
+    """Tensor name -> shape from ONNX shape inference: sizes, dim_param names, None where unknown."""
     inferred = onnx.shape_inference.infer_shapes(model).graph
     shapes = {}
     for info in list(inferred.value_info) + list(inferred.input) + list(inferred.output):
         tensor_type = info.type.tensor_type
         if tensor_type.HasField("shape"):
-            shapes[info.name] = [dim.dim_value if dim.HasField("dim_value") else None for dim in tensor_type.shape.dim]
+            shapes[info.name] = [_symbolic_dim(dim) for dim in tensor_type.shape.dim]
     for initializer in model.graph.initializer:
         shapes[initializer.name] = list(initializer.dims)
     return shapes
+
+
+def static_shapes(model: onnx.ModelProto, symbols: dict = None) -> dict:
+    """Tensor name -> shape from ONNX shape inference (None for dynamic dims)."""
+    symbols = symbolic_shapes(model) if symbols is None else symbols
+    return {name: [dim if isinstance(dim, int) else None for dim in shape] for name, shape in symbols.items()}
 
 
 _NOT_FOLDED = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Dropout"}
@@ -945,21 +1133,23 @@ def rewrite_for_training(model: onnx.ModelProto, only_between=None) -> list:
     targets = [node for node in model.graph.node if _is_target(node, only_between, opset(model))]
     if not targets:
         return []
-    return replace_nodes(model, REWRITES, targets, static_shapes(model), _constants(model))
+    symbols = symbolic_shapes(model)
+    return replace_nodes(model, REWRITES, targets, static_shapes(model, symbols), _constants(model), symbols)
 
 
-def replace_nodes(model: onnx.ModelProto, table: dict, targets, shapes=None, constants=None) -> list:
+def replace_nodes(model: onnx.ModelProto, table: dict, targets, shapes=None, constants=None, symbols=None) -> list:
     """Replace, in place, each of ``targets`` by what ``table[op_type]`` builds; return their names.
 
-    A table function that returns ``False`` keeps its node; ``shapes`` and ``constants``
-    go into the :class:`GraphFacts` the functions see.
+    A table function that returns ``False`` keeps its node; ``shapes``, ``constants`` and
+    ``symbols`` go into the :class:`GraphFacts` the functions see.
     """
     consumers = defaultdict(list)
     for node in model.graph.node:
         for name in node.input:
             consumers[name].append(node)
     producers = {output: node for node in model.graph.node for output in node.output}
-    facts = GraphFacts(opset(model), shapes or {}, constants or {}, producers, consumers, {node.name for node in targets})
+    facts = GraphFacts(opset(model), shapes or {}, constants or {}, producers, consumers, {node.name for node in targets},
+                       symbols or {})
     target_ids = {id(node) for node in targets}
     rebuilt, rewritten = [], []
     for node in model.graph.node:
