@@ -8,6 +8,7 @@ includes backward. A GEMM ceiling measured in the same run puts GFLOP/s in conte
 
     python benchmarks/bench.py            # full run, writes benchmarks/results/bench.{json,md,png}
     python benchmarks/bench.py --quick    # seconds; what CI runs (checks it works, not timings)
+    python benchmarks/bench.py --only resnet,gpt --rounds 3   # some workloads, fewer rounds
 """
 
 import argparse
@@ -336,7 +337,9 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10, help="steps per round")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--only", default="", help="comma-separated substrings of the workload names to run (default: all)")
     args = parser.parse_args()
+    chosen = [name.strip().lower() for name in args.only.split(",") if name.strip()]
     rounds, steps, warmup = (2, 3, 2) if args.quick else (args.rounds, args.steps, 5)
     variants = {"default malloc": {}} if args.quick else {"default malloc": {}, "tuned malloc (" + " ".join(f"{k}={v}" for k, v in TUNED_MALLOC.items()) + ")": TUNED_MALLOC}
     report = {"date": date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
@@ -344,6 +347,8 @@ def main():
     for variant, env in variants.items():
         report["variants"][variant] = {}
         for index, workload in enumerate(_workloads(args.quick)):
+            if chosen and not any(name in workload.name.lower() for name in chosen):
+                continue
             print(f"{variant}: {workload.name} ...", flush=True)
             results = measure(index, workload, rounds, steps, warmup, args.quick, env)
             report["variants"][variant][workload.name] = summarize(results, step_gflop(workload))

@@ -2,9 +2,9 @@
 
 Some kernels of onnxruntime-training 1.19 are scalar, single-threaded loops on the CPU,
 several times slower than the same arithmetic spelled with ONNX Runtime's vectorised
-elementwise ops (measured in benchmarks/NOTES.md): the softmax cross-entropy loss and
-its gradient, the GELU, ReLU and max-pool gradients. Each function below emits, through
-a :class:`~orttrainer.rewrites.NodeBuilder`, the same values with fast ops; values and
+elementwise ops (measured in benchmarks/NOTES.md): the softmax cross-entropy loss and its
+gradient, the GELU (erf and tanh forms), ReLU and max-pool gradients. Each function below emits,
+through a :class:`~orttrainer.rewrites.NodeBuilder`, the same values with fast ops; values and
 gradients are checked against the originals in tests/test_cpu_kernels.py and against torch,
 also at boundary values (-inf logits, ignored labels, NaN), in tests/test_boundary_values.py.
 Before the gradient is built, ``pool_before_relu`` also moves ReLUs behind the max pools they feed,
@@ -100,19 +100,52 @@ def softmax_cross_entropy_loss_grad(build: NodeBuilder):
     return True
 
 
+def _gelu_input(build: NodeBuilder) -> str:
+    """The GELU's input: x, plus the bias of the Bias* variants."""
+    x = build.node.input[1]
+    return build.op("Add", [x, build.node.input[2]]) if len(build.node.input) > 2 and build.node.input[2] else x
+
+
 def gelu_grad(build: NodeBuilder):
     """GeluGrad / BiasGeluGrad_dX: dy * (Phi(x) + x * phi(x)) for x = input (+ bias).
 
     Spelled as dy * 0.5 * (1 + erf(x / sqrt 2) + x * exp(log(2 / sqrt(2 pi)) - x^2 / 2)).
     """
-    dy, x = build.node.input[:2]
-    if len(build.node.input) > 2 and build.node.input[2]:
-        x = build.op("Add", [x, build.node.input[2]])
+    dy, x = build.node.input[0], _gelu_input(build)
     scaled = build.op("Mul", [x, _like(build, 1 / math.sqrt(2), x)])
     erf = build.op("Erf", [scaled])
     exponent = build.op("Sub", [_like(build, math.log(2 / math.sqrt(2 * math.pi)), x), build.op("Mul", [scaled, scaled])])
     twice_derivative = build.op("Sum", [erf, build.op("Mul", [x, build.op("Exp", [exponent])]), _like(build, 1.0, x)])
     build.op("Mul", [build.op("Mul", [dy, twice_derivative]), _like(build, 0.5, x)], build.node.output[0])
+
+
+def tanh_gelu_grad(build: NodeBuilder):
+    """FastGeluGrad / BiasFastGeluGrad_dX, the gradient of GELU's tanh approximation
+    0.5 x (1 + tanh(u)), u = c (x + 0.044715 x^3), c = sqrt(2 / pi), for x = input (+ bias):
+    dy * ((1 + tanh u) / 2 + x (1 - tanh^2 u) / 2 * c (1 + 3 * 0.044715 x^2)), as torch's
+    gelu_backward(approximate="tanh") and autograd through the composed formula compute it.
+
+    With s+ = (1 + tanh u) / 2 = 1 / (1 + exp(-2u)) and s- = (1 - tanh u) / 2 = 1 / (1 + exp(2u)),
+    that is dy * (s+ + s+ s- x 2c (1 + 3 * 0.044715 x^2)): ONNX Runtime's Exp is accurate to an
+    ulp, its Tanh and Sigmoid are not (4 ulps of 1 near saturation, 7e-6 off in the gradient).
+    Where x^2 overflows (|x| > 1.8e19) and at ±inf the result is NaN (0 * inf), as in torch's
+    float32 kernels; float64 gives 1 and 0 there.
+    """
+    dy, x = build.node.input[0], _gelu_input(build)
+    c, kappa = math.sqrt(2 / math.pi), 0.044715
+    square = build.op("Mul", [x, x])
+
+    def polynomial(constant, quadratic):  # constant + quadratic x^2
+        return build.op("Add", [build.op("Mul", [square, _like(build, quadratic, x)]), _like(build, constant, x)])
+
+    def logistic(value):  # 1 / (1 + exp(-value))
+        return build.op("Reciprocal", [build.op("Add", [build.op("Exp", [value]), _like(build, 1.0, x)])])
+
+    twice_u = build.op("Mul", [x, polynomial(2 * c, 2 * c * kappa)])
+    plus, minus = logistic(build.op("Neg", [twice_u])), logistic(twice_u)
+    # (s+ s-) x first: 0 where a tail saturates, also for the large |x| whose slope is finite
+    tail = build.op("Mul", [build.op("Mul", [build.op("Mul", [plus, minus]), x]), polynomial(2 * c, 6 * c * kappa)])
+    build.op("Mul", [dy, build.op("Add", [plus, tail])], build.node.output[0])
 
 
 def relu_grad(build: NodeBuilder):
@@ -153,6 +186,8 @@ FAST_CPU_KERNELS = {
     "SoftmaxCrossEntropyLossGrad": softmax_cross_entropy_loss_grad,
     "GeluGrad": gelu_grad,
     "BiasGeluGrad_dX": gelu_grad,
+    "FastGeluGrad": tanh_gelu_grad,
+    "BiasFastGeluGrad_dX": tanh_gelu_grad,
     "ReluGrad": relu_grad,
     "MaxPoolGrad": max_pool_grad,
 }

@@ -427,6 +427,16 @@ def test_gelu_gradient_kernel():
     assert "GeluGrad" not in op_types(train)
 
 
+def test_tanh_gelu_gradient_kernel():
+    """FastGeluGrad (GPT-2's tanh GELU) replaced; torch's gelu(approximate="tanh") in float64.
+    As for the erf GELU, the two terms cancel for x << 0: an absolute 1e-6 is allowed. Where x^2
+    overflows float32 (|x| > 1.8e19) and at ±inf the gradient is NaN, as torch's float32 one
+    (0 * inf; float64 has 1 and 0 there): an element equal to torch's float32 result passes."""
+    x = edge_values(*spread(1e-8, 30), 1e19, -1e19, 1e20, -1e20)
+    train = _unary_case("FastGelu", {}, lambda x: F.gelu(x, approximate="tanh"), x, floor=1e-6, domain="com.microsoft")
+    assert "FastGeluGrad" not in op_types(train)
+
+
 @pytest.mark.parametrize("kernel, stride, pads", [(2, 2, 0), (3, 1, 1), (3, 2, 1)])
 @pytest.mark.parametrize("relu_first", [False, True])
 def test_max_pool_gradient(kernel, stride, pads, relu_first):

@@ -80,19 +80,18 @@ def test_softmax_cross_entropy_and_its_gradient(reduction, spatial, ignore_index
     _compare(nodes, inputs, ["loss", "log_prob", "logits_grad"], feeds, "SoftmaxCrossEntropyLossGrad")
 
 
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_gelu_gradient(with_bias):
+@pytest.mark.parametrize("op_type", ["GeluGrad", "BiasGeluGrad_dX", "FastGeluGrad", "BiasFastGeluGrad_dX"])
+def test_gelu_gradient(op_type):
+    """The erf GELU's gradient and its tanh approximation's, with and without bias."""
     generator = np.random.default_rng(1)
     x = (generator.standard_normal((4, 16, 32)) * 3).astype(np.float32)
-    x.reshape(-1)[:5] = [0.0, -8.0, 8.0, 1e-8, -30.0]
+    x.reshape(-1)[:7] = [0.0, -8.0, 8.0, 1e-8, -30.0, 1e4, -1e4]
     feeds = {"dy": generator.standard_normal(x.shape).astype(np.float32), "x": x}
     inputs = [("dy", TensorProto.FLOAT, x.shape), ("x", TensorProto.FLOAT, x.shape)]
-    if with_bias:
+    if op_type.startswith("Bias"):
         feeds["bias"] = generator.standard_normal(32).astype(np.float32)
         inputs.append(("bias", TensorProto.FLOAT, [32]))
-        node = helper.make_node("BiasGeluGrad_dX", ["dy", "x", "bias"], ["dx"], domain=MS)
-    else:
-        node = helper.make_node("GeluGrad", ["dy", "x"], ["dx"], domain=MS)
+    node = helper.make_node(op_type, [name for name, _, _ in inputs], ["dx"], domain=MS)
     _compare([node], inputs, ["dx"], feeds, node.op_type, atol=2e-6)
 
 
