@@ -11,10 +11,12 @@ except ImportError as error:  # the plain onnxruntime package replaced onnxrunti
 
 from . import amp, checkpoint, optim
 from .checkpoint import CheckpointError
+from .cuda_libraries import GPULibraryError
 from .distributed import RankWriteError
 from .export import ExportError
 from .graph import GradientBuildError, RunError
 from .options import ORTTrainerOptions
+from .session import ProviderFallbackError
 from .trainer import ORTTrainer, TrainStepInfo
 from .verify import TorchMismatchError
 
@@ -27,7 +29,9 @@ __all__ = [
     "optim",
     "CheckpointError",
     "ExportError",
+    "GPULibraryError",
     "GradientBuildError",
+    "ProviderFallbackError",
     "RankWriteError",
     "RunError",
     "TorchMismatchError",

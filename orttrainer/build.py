@@ -1,11 +1,14 @@
 """From a torch module (or a forward+loss ONNX model), its loss and a first batch to a ready Runtime.
 
-``from_torch`` exports the module and loss with the first batch (export.py); ``from_onnx``
-takes the graph as given. Both pick the weights to train (parameters, or float initializers,
-that reach the loss), build the training and eval graphs (graph.py), open the two sessions
-bound to the weight tensors (session.py) and, on several ranks, check that every rank built
-the same graph and start from rank 0's weights. The forward graph's shape inference
-(graph.TensorFacts) is done once per build and handed to each pass that reads it.
+``TorchSource.export`` exports the module and loss at one batch (export.py) and ``from_torch``
+builds that export; ``from_onnx`` takes the graph as given. Both pick the weights to train
+(parameters, or float initializers, that reach the loss), build the training and eval graphs
+(graph.py), open the two sessions bound to the weight tensors (session.py) and, on several
+ranks, check that every rank built the same graph and start from rank 0's weights. A torch
+module gets one graph per batch shape signature where its trace needs it (graph_cache.py):
+``from_torch(..., shared=runtime)`` builds another graph over the same weights and state.
+The forward graph's shape inference (graph.TensorFacts) is done once per build and handed
+to each pass that reads it.
 
 The :class:`Runtime` holds what a step uses: the sessions, weights, BatchNorm statistics,
 embedding lookups, the dropout and loss-scale inputs, the typed model_desc, the forward graph,
@@ -14,6 +17,7 @@ the torch state that is not in the graph, and the checks every batch must pass.
 
 import copy
 import inspect
+from dataclasses import dataclass
 
 import onnx
 import onnxruntime
@@ -28,12 +32,13 @@ class Runtime:
     """What a build leaves for the steps: sessions bound to the weights, and what a run needs.
 
     ``from_torch`` also fills ``aliases`` (tied weights: {alias: first name}), ``unexported_state``
-    and ``batch_counters`` (torch state the graph does not hold), ``frozen`` (a trace that froze
-    values of the first batch), ``reference`` (module and forward names for the first-step check
-    against torch) and ``export_sample`` (first batch and torch's outputs, for debug.check_model_export).
+    and ``batch_counters`` (torch state the graph does not hold), ``reference`` (module and forward
+    names for the first-step check against torch) and ``export_sample`` (the batch and torch's
+    outputs, for debug.check_model_export). Runtimes of one trainer share ``weights``, these,
+    ``owned`` and ``scales``.
     """
 
-    def __init__(self, model_desc, onnx_model, graphs, sessions, weights: dict, trainable, loss_scale, device):
+    def __init__(self, model_desc, onnx_model, graphs, sessions, weights: dict, trainable, scales, device):
         self.model_desc, self.onnx_model, self.device = model_desc, onnx_model, device
         self.train_session, self.eval_session = sessions
         self.weights, self.trainable = weights, trainable
@@ -44,20 +49,21 @@ class Runtime:
                     bound.bind_input(name, tensor)
         self.gradient_outputs = graphs.gradient_outputs
         self.batch_norms = [_BatchNormStatistics(stats, weights, self.train_session) for stats in graphs.running_statistics]
-        self.loss_scale = loss_scale  # mixed precision: the scale the loss is multiplied by, else None
-        if loss_scale is not None:
-            self.train_session.bind_input(graph.LOSS_SCALE_INPUT, loss_scale)
-        self.dropout_scale = torch.tensor(1.0, device=device)  # 0 turns dropout off (the first-step check)
+        self.scales = scales
+        # mixed precision: the scale the loss is multiplied by, else None; dropout scale 0 turns dropout off (the check)
+        self.loss_scale, self.dropout_scale = scales
+        if self.loss_scale is not None:
+            self.train_session.bind_input(graph.LOSS_SCALE_INPUT, self.loss_scale)
         if graph.DROPOUT_SCALE_INPUT in self.train_session.input_names:
             self.train_session.bind_input(graph.DROPOUT_SCALE_INPUT, self.dropout_scale)
-        self.dropout_fixed = loss_scale is not None and any(node.op_type == "Dropout" for node in graphs.train.graph.node)
+        self.dropout_fixed = scales[0] is not None and any(node.op_type == "Dropout" for node in graphs.train.graph.node)
         self.embeddings = graphs.embedding_gradients
         for embedding in self.embeddings:
             self.train_session.bind_input(embedding.lookup_input, weights[embedding.weight])
         embedding_outputs = [name for e in self.embeddings for name in (e.rows_gradient, e.indices_output)]
         self.train_session.allocate_outputs([entry.name for entry in model_desc.outputs] + embedding_outputs)
         self.aliases, self.unexported_state, self.batch_counters = {}, {}, {}
-        self.frozen = self.reference = self.export_sample = self.index_ranges = None
+        self.reference = self.export_sample = self.index_ranges = None
 
     def bind_batch(self, bound, inputs) -> None:
         for entry, tensor in zip(self.model_desc.inputs, inputs):
@@ -104,10 +110,8 @@ class Runtime:
             raise graph.run_error(error) from error
 
     def check_batch(self, inputs) -> None:
-        """Before any run: the shapes a frozen trace allows, and token ids and class targets inside
-        the range torch accepts (graph.index_ranges, found at the first batch)."""
-        if self.frozen is not None:
-            self.frozen.check_batch(self.model_desc.inputs, inputs)
+        """Before any run: token ids and class targets inside the range torch accepts
+        (graph.index_ranges, found at the first batch)."""
         by_name = {entry.name: tensor for entry, tensor in zip(self.model_desc.inputs, inputs)}
         if self.index_ranges is None:
             self.index_ranges = graph.index_ranges(self.onnx_model, {name: list(t.shape) for name, t in by_name.items()})
@@ -157,46 +161,106 @@ def _check_index_range(bound, indices) -> None:
 
 
 # ------------------------------------------------------------------ torch module
-def from_torch(model, loss_fn, input_names, inputs, options, model_desc, device, providers, data_parallel=None) -> Runtime:
-    """Export ``model`` (+ ``loss_fn``) with the first batch and build. ``model_desc`` None: inferred from the
-    batch; either way the Runtime's model_desc has the dtypes of inputs and outputs."""
-    module = export.module_for_export(model)
-    forward_names = _forward_names(module, input_names, loss_fn)
-    cpu_inputs = [tensor.cpu() for tensor in inputs]
-    outputs = export.sample_outputs(module, loss_fn, forward_names, cpu_inputs)
-    desc = model_desc or _ORTTrainerModelDesc(infer_model_desc(input_names, cpu_inputs, outputs))
-    outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
-    loss_index = _loss_index(desc, outputs, loss_fn, inferred=model_desc is None)
-    export.refuse_custom_backward(module, loss_fn, forward_names, cpu_inputs, loss_index)
-    state = {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}  # export runs BN
-    export_arguments = (
-        loss_fn,
-        forward_names,
-        [(entry.name, entry.shape) for entry in desc.inputs],
-        [(entry.name, entry.shape) for entry in desc.outputs],
-        options._internal_use.onnx_opset_version,
-    )
-    onnx_model, lookups, frozen_values = export.export_to_onnx(module, cpu_inputs, *export_arguments)
-    frozen = None
-    if frozen_values:  # held to these shapes; re-exported once from a batch of other values (check_batch)
-        frozen = _FrozenValues(frozen_values, [list(t.shape) for t in cpu_inputs], cpu_inputs,
-                               (module, export_arguments), onnx_model)  # fmt: skip
-    onnx_model = _postprocess(onnx_model, options._internal_use.extra_postprocess)
+@dataclass
+class TorchExport:
+    """The module + loss exported at one batch, before anything is built from it."""
+
+    inputs: list  # the batch, on the CPU
+    desc: _ORTTrainerModelDesc  # the user's, or inferred from this batch
+    outputs: list  # torch's outputs for this batch (eval mode, no autograd), the loss among them
+    state: dict  # the module's state before the export (tracing runs BatchNorm in training mode)
+    onnx_model: onnx.ModelProto
+    lookups: dict  # {Gather node name: export.EmbeddingLookup}
+    frozen_values: list  # where the trace froze a value of this batch (export._FROZEN_VALUE)
+
+
+class TorchSource:
+    """The user's module as the trainer exports it: one CPU copy in its training modes (the user's
+    module is never touched), exported at every batch shape signature that needs a graph."""
+
+    def __init__(self, model, loss_fn, input_names, options, model_desc):
+        self.module = export.module_for_export(model)
+        self.forward_names = _forward_names(self.module, input_names, loss_fn)
+        self.loss_fn, self.options, self.model_desc = loss_fn, options, model_desc
+
+    def export(self, input_names, inputs) -> TorchExport:
+        """Export at this batch; ``model_desc`` None: inferred from it (dim 0 dynamic)."""
+        module, loss_fn = self.module, self.loss_fn
+        cpu_inputs = [tensor.cpu() for tensor in inputs]
+        outputs, form = export.sample_outputs(module, loss_fn, self.forward_names, cpu_inputs)
+        outputs = list(outputs)
+        desc = self.model_desc or infer_model_desc(input_names, cpu_inputs, outputs, form)
+        loss_index = _loss_index(desc, outputs, loss_fn, inferred=self.model_desc is None)
+        export.refuse_custom_backward(module, loss_fn, self.forward_names, cpu_inputs, loss_index)
+        state = {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
+        onnx_model, lookups, frozen_values = export.export_to_onnx(
+            module, cpu_inputs, loss_fn, self.forward_names, [(entry.name, entry.shape) for entry in desc.inputs],
+            [(entry.name, entry.shape) for entry in desc.outputs], self.options._internal_use.onnx_opset_version,
+        )  # fmt: skip
+        return TorchExport(cpu_inputs, desc, outputs, state, onnx_model, lookups, frozen_values)
+
+    def load_weights(self, weights: dict) -> None:
+        """Give the export copy the trainer's current weights, so that a later export and its
+        sample outputs (debug.check_model_export) see what the trainer trains."""
+        self.module.load_state_dict({name: tensor.detach().cpu() for name, tensor in weights.items()}, strict=False)
+
+
+def from_torch(source, exported, device, providers, data_parallel=None, shared=None) -> Runtime:
+    """Build the graph of ``exported``; its model_desc gets the dtypes of inputs and outputs.
+
+    The first graph takes its weights from the module (on several ranks: checked against the
+    other ranks' and synchronised). A later one, for another shape signature, gets ``shared``'s
+    (a Runtime of this trainer): the same weight tensors, scales and torch-side state, so that
+    one optimizer, one set of gradient buffers and one checkpoint serve every graph.
+    """
+    options, desc, module = source.options, exported.desc, source.module
+    onnx_model = _postprocess(exported.onnx_model, options._internal_use.extra_postprocess)
     facts = graph.infer_tensor_facts(onnx_model)
-    weights, trainable = _module_weights(module, state, onnx_model, desc.loss_output.name, options, device, facts)
-    runtime = _build(onnx_model, desc, weights, trainable, options, device, providers, data_parallel, facts, lookups)
-    runtime.aliases = _aliases(module)
-    runtime.unexported_state = {name: tensor for name, tensor in state.items()
-                                if name not in weights and name not in runtime.aliases}  # fmt: skip
-    runtime.batch_counters = _batch_counters(module, state)
-    runtime.frozen = frozen
+    trainable = _trainable(module, onnx_model, desc.loss_output.name, options, facts)
+    in_graph = _in_graph(onnx_model, exported.state)
+    if shared is None:
+        untrained = [name for name in in_graph if name not in trainable]
+        weights = {name: exported.state[name].to(device).contiguous() for name in trainable + untrained}
+        runtime = _build(onnx_model, desc, weights, trainable, options, device, providers, data_parallel, facts,
+                         exported.lookups)  # fmt: skip
+        runtime.aliases = _aliases(module)
+        runtime.unexported_state = {name: tensor for name, tensor in exported.state.items()
+                                    if name not in weights and name not in runtime.aliases}  # fmt: skip
+        runtime.batch_counters = _batch_counters(module, exported.state)
+    else:
+        _check_same_weights(shared, in_graph, trainable)
+        weights = {name: shared.weights[name] for name in in_graph}
+        runtime = _build(onnx_model, desc, weights, trainable, options, device, providers, None, facts, exported.lookups,
+                         shared.scales)  # fmt: skip
+        runtime.weights, runtime.owned = shared.weights, shared.owned
+        runtime.aliases, runtime.unexported_state = shared.aliases, shared.unexported_state
+        runtime.batch_counters = shared.batch_counters
     if options.debug.check_against_torch != "off":
-        runtime.reference = (module, forward_names)  # the first train_step checks against it
-    for index, tensor in enumerate(outputs):
+        runtime.reference = (module, source.forward_names)  # the first train_step on this graph checks against it
+    for index, tensor in enumerate(exported.outputs):
         desc.add_type_to_output_description(index, tensor.dtype, getattr(desc.outputs[index], "dtype_amp", None))
     if options.debug.check_model_export:
-        runtime.export_sample = (cpu_inputs, outputs)
+        runtime.export_sample = (exported.inputs, exported.outputs)
     return runtime
+
+
+def _in_graph(onnx_model, state: dict) -> list:
+    """The module's weights and buffers that the graph holds (as initializers), in state_dict order."""
+    initializers = {init.name for init in onnx_model.graph.initializer}
+    return [name for name in state if name in initializers]
+
+
+def _check_same_weights(shared, in_graph, trainable) -> None:
+    """A graph for other shapes must read and train the weights the trainer already holds."""
+    new = [name for name in in_graph if name not in shared.weights] + sorted(set(trainable) - set(shared.trainable))
+    untrained = sorted(set(shared.trainable) - set(trainable))
+    if new or untrained:
+        raise NotImplementedError(
+            "the graph for this batch's shapes uses other weights than the graph of earlier batches"
+            + (f" (only here: {new})" if new else "") + (f" (trained only there: {untrained})" if untrained else "")
+            + ": a branch on the batch's shapes switches parameters, and orttrainer trains one fixed set of weights for "
+            "every shape; pad the batches to one shape, or train this model with torch"
+        )
 
 
 def _forward_names(module, input_names, loss_fn) -> list:
@@ -249,9 +313,9 @@ def _postprocess(onnx_model, postprocess):
     return returned if returned is not None else onnx_model
 
 
-def _module_weights(module, state, onnx_model, loss_name, options, device, facts):
-    """(weights on the device, trainable names): parameters with requires_grad that reach the loss
-    train; the other exported state (frozen parameters, buffers) is bound without a gradient."""
+def _trainable(module, onnx_model, loss_name, options, facts) -> list:
+    """The parameters with requires_grad (and not in utils.frozen_weights) that reach the loss; the
+    graph's other weights and buffers are bound without a gradient."""
     initializers = {init.name for init in onnx_model.graph.initializer}
     frozen_names = set(options.utils.frozen_weights)
     requires_grad = [
@@ -265,9 +329,7 @@ def _module_weights(module, state, onnx_model, loss_name, options, device, facts
             "options utils.frozen_weights); torch's optimizers refuse an empty parameter list too"
         )
     # a weight that reaches only other outputs gets no gradient in torch (grad None): it is not trained
-    trainable = graph.weights_reaching_loss(onnx_model, requires_grad, loss_name, facts)
-    frozen = [name for name in state if name in initializers and name not in trainable]
-    return {name: state[name].to(device).contiguous() for name in trainable + frozen}, trainable
+    return graph.weights_reaching_loss(onnx_model, requires_grad, loss_name, facts)
 
 
 def _aliases(module: torch.nn.Module) -> dict:
@@ -320,9 +382,11 @@ def _shape_of(value_info):
 
 
 # ----------------------------------------------------------------------- both
-def _build(onnx_model, model_desc, weights, trainable, options, device, providers, data_parallel, facts, lookups=None):
-    """Gradient and eval graphs, their sessions bound to ``weights``, and on several ranks the check
-    that every rank built the same (then all start from rank 0's weights)."""
+def _build(onnx_model, model_desc, weights, trainable, options, device, providers, data_parallel, facts, lookups=None,
+           scales=None):  # fmt: skip
+    """Gradient and eval graphs, their sessions bound to ``weights`` (and ``scales``: (loss scale or
+    None, dropout scale), new ones if None), and on several ranks the check that every rank built
+    the same (then all start from rank 0's weights)."""
     frozen = [name for name in weights if name not in trainable]
     mixed_precision = options.mixed_precision.enabled
     graphs = graph.build_training_graphs(
@@ -333,8 +397,10 @@ def _build(onnx_model, model_desc, weights, trainable, options, device, provider
     one_thread = device.type == "cpu" and graph.small_convolutions_dominate(onnx_model, facts)
     sessions = _open_sessions(graphs, device, providers, options, one_thread)
     _record_input_types(model_desc, graphs.eval)
-    loss_scale = torch.tensor(options.mixed_precision.loss_scaler.loss_scale, device=device) if mixed_precision else None
-    runtime = Runtime(model_desc, onnx_model, graphs, sessions, weights, trainable, loss_scale, device)
+    if scales is None:
+        loss_scale = torch.tensor(options.mixed_precision.loss_scaler.loss_scale, device=device) if mixed_precision else None
+        scales = (loss_scale, torch.tensor(1.0, device=device))
+    runtime = Runtime(model_desc, onnx_model, graphs, sessions, weights, trainable, scales, device)
     if data_parallel is not None:
         fingerprint = graphs.train.SerializeToString() + repr(_comparable_options(options)).encode()
         runtime.owned = data_parallel.start(weights, trainable, fingerprint)
@@ -436,46 +502,3 @@ def _check_values_per_channel(batch_norms) -> None:
         f"Expected more than 1 value per channel when training: batch norm {', '.join(modules)} got 1 value per channel "
         "for this batch (e.g. a batch of 1 into BatchNorm1d); torch raises the same error. Drop or pad such batches."
     )
-
-
-class _FrozenValues:
-    """The trace froze values of the first batch (``export._FROZEN_VALUE``): a width, or data.
-
-    Batches must keep the first batch's shapes; the first batch with other values is
-    exported again, and the graph must come out the same, or the trace depended on data.
-    """
-
-    def __init__(self, locations, shapes, first_inputs, export_from, first_graph):
-        self.locations, self.shapes, self.first_inputs = locations, shapes, first_inputs
-        self.export_from = export_from  # (module copy, the other export arguments)
-        self.first_graph = _without_initializers(first_graph)
-
-    def _check_shapes(self, entries, inputs):
-        for entry, tensor, shape in zip(entries, inputs, self.shapes):
-            if list(tensor.shape) != shape:
-                raise ValueError(
-                    f"input '{entry.name}' has shape {list(tensor.shape)}, but this model's graph only takes the first "
-                    f"batch's shapes ({shape} for '{entry.name}'): its trace turned tensor values into Python numbers at\n- "
-                    + "\n- ".join(self.locations)
-                    + "\nKeep those computations in tensor ops (x.shape[0] rather than int(...)) to train other shapes."
-                )
-
-    def check_batch(self, entries, inputs):
-        """The first batch's shapes, and one export from the first batch of other values (then the
-        export copy of the module is let go)."""
-        self._check_shapes(entries, inputs)
-        cpu_inputs = [tensor.cpu() for tensor in inputs]
-        if self.export_from is None or all(torch.equal(first, now) for first, now in zip(self.first_inputs, cpu_inputs)):
-            return
-        module, arguments = self.export_from
-        again, _, _ = export.export_to_onnx(module, cpu_inputs, *arguments)
-        export.refuse_data_dependent_trace(self.first_graph, _without_initializers(again), self.locations)
-        self.export_from = self.first_inputs = self.first_graph = None
-
-
-def _without_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The graph's structure and constants, without the weights (they change as training goes on)."""
-    copied = onnx.ModelProto()
-    copied.CopyFrom(model)
-    del copied.graph.initializer[:]
-    return copied

@@ -27,7 +27,7 @@ import torch
 from torch.onnx import TrainingMode
 from torch.overrides import TorchFunctionMode
 
-from . import symbolics
+from . import model_outputs, symbolics
 
 _WRAPPED = "model."  # prefix the wrapper adds to every weight name
 _TORCH_DIRECTORY = os.path.dirname(torch.__file__) + os.sep
@@ -38,20 +38,27 @@ class ExportError(ValueError):
 
 
 class _ModelWithLoss(torch.nn.Module):
-    """Routes inputs to ``forward`` by name and appends the loss to the outputs."""
+    """Passes the inputs to ``forward`` by keyword (so that forward's defaults hold for those
+    the batch leaves out) and returns the graph's outputs: the loss first, then the model's
+    outputs as tensors (model_outputs.flatten; ``form`` says how, after a call)."""
 
     def __init__(self, model, loss_fn, forward_names):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
         self.forward_names = forward_names
+        self.form = None
 
     def forward(self, *inputs):
         outputs = self.model(**dict(zip(self.forward_names, inputs)))
-        if self.loss_fn is None:
-            return outputs
-        outputs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
-        return (self.loss_fn(outputs[0] if len(outputs) == 1 else outputs, inputs[-1]),) + outputs
+        loss = None
+        if self.loss_fn is not None:
+            given = outputs
+            if isinstance(outputs, (tuple, list)):  # a 1-tuple is passed as its tensor
+                given = outputs[0] if len(outputs) == 1 else tuple(outputs)
+            loss = self.loss_fn(given, inputs[-1])
+        tensors, self.form = model_outputs.flatten(outputs, type(self.model).__name__, loss)
+        return tuple(tensors)
 
 
 def with_loss(model, loss_fn, forward_names) -> torch.nn.Module:
@@ -60,13 +67,14 @@ def with_loss(model, loss_fn, forward_names) -> torch.nn.Module:
 
 
 def sample_outputs(model, loss_fn, forward_names, inputs):
-    """Run model (+ loss) once in eval mode without autograd, leaving the module as it was."""
+    """Run model (+ loss) once in eval mode without autograd, leaving the module as it was:
+    (the graph's outputs, their model_outputs.OutputForm)."""
     wrapper = with_loss(model, loss_fn, forward_names)
     modes = {layer: layer.training for layer in model.modules()}
     model.eval()
     try:
         with torch.no_grad():
-            return wrapper(*inputs)
+            return wrapper(*inputs), wrapper.form
     finally:
         for layer, training in modes.items():
             layer.training = training
@@ -181,13 +189,15 @@ def refuse_custom_backward(module, loss_fn, forward_names, inputs, loss_index: i
 
 
 # ----------------------------------------------------------------- exporter warnings
+_OWN_DIRECTORY = os.path.dirname(__file__) + os.sep
+
+
 def _user_location() -> str:
     """'file:line: source' of the innermost frame outside torch, Python's warnings and orttrainer."""
     frame = sys._getframe(1)
-    own = os.path.dirname(__file__) + os.sep
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not (filename.startswith(_TORCH_DIRECTORY) or filename.startswith(own) or filename == warnings.__file__):
+        if not (filename.startswith(_TORCH_DIRECTORY) or filename.startswith(_OWN_DIRECTORY) or filename == warnings.__file__):
             source = linecache.getline(filename, frame.f_lineno).strip()
             return f"{filename}:{frame.f_lineno}" + (f": {source}" if source else "")
         frame = frame.f_back
@@ -217,15 +227,19 @@ _HARMLESS = [
     (DeprecationWarning, r"You are using the legacy TorchScript-based ONNX export"),
     # torch's exporter calling one of its own deprecated helpers
     (DeprecationWarning, r"The feature will be removed\. Please remove usage of this function"),
+    # symbolics.index turns negative indices into positive ones before torch's formula
+    (UserWarning, r"Exporting aten::index operator of advanced indexing .* If indices include negative values"),
+    # an optimisation of the exporter's skipped: the graph computes the same
+    (UserWarning, r"Constant folding - Only steps=1 can be constant folded"),
+    # a recurrent layer's initial state sized by the sample batch: graph_cache exports again at every
+    # new shape signature and builds another graph when the trace differs
+    (UserWarning, r"Exporting a model to ONNX with a batch_size other than 1, with a variable length with"),
     # BatchNorm's batch counter: the trainer counts batches itself
     (UserWarning, r"Removing mutation from node aten::add_ on block input: '[^']*num_batches_tracked'"),
 ]
 
 # Exporter warnings that mean the graph may differ from the module: (pattern, why and what to do).
 _DIFFERENT = [
-    (r"Converting a tensor to a Python boolean",
-     "a Python `if` on a tensor: the branch the first batch took is frozen into the graph; use torch.where or "
-     "train this model with torch"),
     (r"Removing mutation from node (\S+) on block input: '([^']*)'",
      "forward changes this buffer in place, and the graph cannot: torch would update it every step, orttrainer never"),
     (r"ONNX export of embedding with padding_idx",
@@ -234,11 +248,15 @@ _DIFFERENT = [
      "the exporter changes or drops a dropout; check the layer's dropout arguments"),
 ]  # fmt: skip
 
-# Exporter warnings that a value of the first batch became a constant: harmless when it
-# comes from a shape that never changes (a model width), wrong when it comes from the data
-# (``int(mask.sum())``). The graph is then held to the first batch's shapes, and re-exported
-# once with a batch of other values to show the constants do not depend on them.
-_FROZEN_VALUE = (r"Converting a tensor to a Python (integer|float|number|index)|Iterating over a tensor|"
+# Exporter warnings that a value of the batch became a constant (a Python number, or the branch
+# a Python `if` took): harmless when it comes from the batch's shapes or a fixed width, wrong when
+# it comes from the data (``int(mask.sum())``, ``if x.sum() > 0``). The graph then serves only
+# its own shape signature, and the first batch of that signature with other values is exported
+# again to show that the constants do not depend on them (graph_cache.py).
+_FROM_VALUES = ("a Python value (an `if`, int(), float(), .item()) computed from the values of the batch or the "
+                "weights: the trace keeps what the first batch gave, for every batch; use tensor ops (torch.where, masks) "
+                "or train this model with torch")
+_FROZEN_VALUE = (r"Converting a tensor to a Python (integer|float|number|index|boolean)|Iterating over a tensor|"
                  r"torch\.tensor results are registered as constants")  # fmt: skip
 
 
@@ -293,6 +311,59 @@ def _reason_graph_differs(heard: _Heard):
     return None
 
 
+_SHAPE_OPS = ("aten::size", "aten::numel", "aten::dim", "onnx::Shape", "prim::shape")
+_TO_PYTHON = (torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__,
+              torch.Tensor.item, torch.Tensor.tolist)  # fmt: skip
+
+
+def _reads_values(value) -> bool:
+    """True when the traced ``value`` depends on the values of a graph input (batch or weights),
+    not only on shapes: some path from it back to an input avoids the size ops."""
+    seen, pending = set(), [value]
+    while pending:
+        value = pending.pop()
+        if value.unique() in seen:
+            continue
+        seen.add(value.unique())
+        node = value.node()
+        if node.kind() == "prim::Param":
+            return True
+        if node.kind() not in _SHAPE_OPS:
+            pending.extend(node.inputs())
+    return False
+
+
+class _ValuesTurnedPython(TorchFunctionMode):
+    """Notes where the traced code turns a tensor that depends on the batch's or the weights'
+    values into a Python value (an ``if`` on it, ``int(...)``): the trace freezes that value,
+    which differs from batch to batch. One computed from shapes alone is the same for every
+    batch of the graph's shape signature."""
+
+    def __init__(self):
+        super().__init__()
+        self.from_values = set()  # user locations (``_user_location``)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func not in _TO_PYTHON or torch._C._get_tracing_state() is None:
+            return func(*args, **(kwargs or {}))
+        try:
+            traced = torch._C._get_value_trace(args[0])
+        except RuntimeError:  # not traced: a constant of the forward
+            traced = None
+        if traced is not None and _reads_values(traced):
+            self.from_values.add(_user_location())
+        return func(*args, **(kwargs or {}))
+
+    @staticmethod
+    def caller():
+        """(file, line) that called the torch function under way, or None outside this mode: torch's
+        warnings name this module's line, since every torch call of the traced code passes here."""
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code is not _ValuesTurnedPython.__torch_function__.__code__:
+            frame = frame.f_back
+        return None if frame is None else (frame.f_back.f_code.co_filename, frame.f_back.f_lineno)
+
+
 class _ExporterWarnings:
     """Hears every warning raised during export, with the user's line that caused it.
 
@@ -300,6 +371,9 @@ class _ExporterWarnings:
     ExportError naming each source line and the fix; harmless ones (``_HARMLESS``, one by
     one, with the reason) are dropped; all others reach the user unchanged.
     """
+
+    def __init__(self, values: _ValuesTurnedPython):
+        self.values = values
 
     def __enter__(self):
         self.heard = []
@@ -310,6 +384,8 @@ class _ExporterWarnings:
         return self
 
     def _hear(self, message, category, filename, lineno, file=None, line=None):
+        if filename.startswith(_OWN_DIRECTORY):
+            filename, lineno = _ValuesTurnedPython.caller() or (filename, lineno)
         self.heard.append(_Heard(category, str(message), filename, lineno, _user_location()))
 
     def __exit__(self, *exc_info):
@@ -319,6 +395,10 @@ class _ExporterWarnings:
         problems, self.frozen_values = [], []
         for heard in self.heard:
             if _is_harmless(heard):
+                continue
+            if re.search(_FROZEN_VALUE, heard.message) and heard.where in self.values.from_values:
+                problem = f"{heard.describe()}: {_FROM_VALUES}"
+                problems += [problem] if problem not in problems else []
                 continue
             if re.search(_FROZEN_VALUE, heard.message):
                 self.frozen_values += [heard.describe()] if heard.describe() not in self.frozen_values else []
@@ -392,7 +472,8 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
     buffer = io.BytesIO()
     devices = [inputs[0].device.index or 0] if inputs and inputs[0].is_cuda else []
     try:
-        with torch.random.fork_rng(devices=devices), symbolics.exporting(), _ExporterWarnings() as heard:
+        values = _ValuesTurnedPython()
+        with torch.random.fork_rng(devices=devices), symbolics.exporting(), _ExporterWarnings(values) as heard, values:
             torch.onnx.export(
                 wrapper,
                 tuple(inputs),
@@ -409,15 +490,21 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
         raise
     except Exception as error:
         raise ExportError(f"torch.onnx.export of {type(model).__name__} failed: {error}") from error
+    if len(wrapper.form.names) != len(desc_outputs):  # output names are given by position
+        raise ExportError(
+            f"{type(model).__name__} returns {wrapper.form.names} in training mode but "
+            f"{[name for name, _ in desc_outputs]} in eval mode or model_desc: return the same outputs in both modes"
+        )
     exported = onnx.load_from_string(buffer.getvalue())
     _strip_wrapper_prefix(exported)
     lookups = _resolve_embedding_markers(exported)
     return exported, lookups, heard.frozen_values
 
 
-def refuse_data_dependent_trace(first: onnx.ModelProto, again: onnx.ModelProto, frozen_values) -> None:
-    """``again``, exported from a batch of the same shapes but other values, must equal ``first``."""
-    if first.graph.SerializeToString() != again.graph.SerializeToString():
+def refuse_data_dependent_trace(first: bytes, again: bytes, frozen_values) -> None:
+    """``again``, the graph exported from a batch of the same shapes but other values, must equal
+    ``first`` (both serialized without the weights)."""
+    if first != again:
         raise ExportError(
             "the exported graph depends on the values of the batch it was traced with (a batch of other values "
             "gives another graph), so it would train every later batch as if it were the first. Values frozen at:\n- "

@@ -5,23 +5,29 @@ so that ranks all-reduce them in one call per dtype. The first run of an accumul
 writes straight into the sums; the other runs of the window write into a scratch set that is
 then added. Embedding lookups get their weight gradients from torch (graph.EmbeddingGradient):
 the run returns the looked-up rows' gradients and their indices, which are scatter-added into
-the buffers the run wrote.
+the buffers the run wrote. A trainer with several graphs (one per batch shape signature,
+graph_cache.py) has one Gradients: ``attach`` points it at the training session of the graph
+that runs next, so that every graph writes into the same buffers.
 """
 
 import torch
 
 
 class Gradients:
-    """Gradient buffers of the trainable weights, bound as outputs of the training session."""
+    """Gradient buffers of the trainable weights, bound as outputs of a Runtime's training session."""
 
-    def __init__(self, weights: dict, trainable, owned, train_session, gradient_outputs: dict, embeddings):
-        self.flat, self.sums = _flat_buffers({name: weights[name] for name in trainable})
+    def __init__(self, runtime):
+        self.flat, self.sums = _flat_buffers({name: runtime.weights[name] for name in runtime.trainable})
         self.all = list(self.sums.values())  # views into the flat buffers: fixed for the trainer's life
-        self.owned = [self.sums[name] for name in owned]  # what this rank's optimizer updates
-        self._session = train_session
-        self._outputs = gradient_outputs  # weight name -> gradient output of the graph
-        self._embeddings = embeddings
+        self.owned = [self.sums[name] for name in runtime.owned]  # what this rank's optimizer updates
         self._scratch = self._scratch_list = None  # made at the first run inside a window
+        self.attach(runtime)
+
+    def attach(self, runtime) -> None:
+        """Have the runs of ``runtime`` (a graph over the same trainable weights) write into these buffers."""
+        self._session = runtime.train_session
+        self._outputs = runtime.gradient_outputs  # weight name -> gradient output of the graph
+        self._embeddings = runtime.embeddings
         self.bound = None  # the buffers the session writes into
         self.bind(self.sums)
 

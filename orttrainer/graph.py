@@ -41,6 +41,13 @@ OPS_WITHOUT_GRADIENT = frozenset(
     DepthToSpace SpaceToDepth LpNormalization LRN RNN""".split()
 )
 
+# Control flow before the loss makes the 1.19 gradient builder abort the whole process (a C++
+# assertion), even when no weight is inside it; the exporter emits an If for ``squeeze()`` of a
+# dimension whose size it cannot tell.
+_CONTROL_FLOW = ("If", "Loop", "Scan")
+
+# Inputs whose gradient onnxruntime-training 1.19 cannot build, by op type: {input index: what it is}.
+_INPUTS_WITHOUT_GRADIENT = {"Pow": {1: "the exponent"}}
 
 LOSS_SCALE_INPUT = "orttrainer.loss_scale"
 DROPOUT_SCALE_INPUT = "orttrainer.dropout_scale"  # float scalar times every dropout ratio: 1 trains, 0 turns dropout off
@@ -415,6 +422,16 @@ def _nodes_between(model: onnx.ModelProto, sources, target: str, facts: TensorFa
     return list(reversed(on_path))
 
 
+def _control_flow_before(model: onnx.ModelProto, loss_name: str) -> list:
+    """The If/Loop/Scan nodes whose outputs the loss depends on."""
+    upstream, found = {loss_name}, []
+    for node in reversed(model.graph.node):  # exported graphs are topologically sorted
+        if any(name in upstream for name in node.output):
+            upstream.update(name for name in node.input if name)
+            found += [node] if node.op_type in _CONTROL_FLOW else []
+    return found[::-1]
+
+
 def weights_reaching_loss(model: onnx.ModelProto, weight_names, loss_name: str, facts: TensorFacts = None) -> list:
     """The weights read by some node on a path to the loss (the others get no gradient)."""
     read = {name for node in _nodes_between(model, weight_names, loss_name, facts) for name in _node_inputs(node)}
@@ -429,14 +446,26 @@ def make_differentiable(model: onnx.ModelProto, weight_names, loss_name: str, fa
     """
     on_path = _nodes_between(model, weight_names, loss_name, facts)
     without_gradient = [(node.name, describe_node(node)) for node in on_path if node.op_type in OPS_WITHOUT_GRADIENT]
+    untrainable_inputs = _untrainable_inputs(on_path, weight_names)
     try:
         rewritten = set(rewrites.rewrite_for_training(model, only_between={node.name for node in on_path}))
     except rewrites.RewriteError as error:
         raise GradientBuildError(f"cannot make this op differentiable: {error}") from error
-    missing = [description for name, description in without_gradient if name not in rewritten]
+    missing = [description for name, description in without_gradient if name not in rewritten] + untrainable_inputs
+    missing += [f"{describe_node(node)}: control flow, e.g. from squeeze() of a dimension the exporter cannot size "
+                "(squeeze a known dimension, or index it with [:, 0])" for node in _control_flow_before(model, loss_name)]
     if missing:
         listed = "; ".join(missing)
         raise GradientBuildError(f"onnxruntime-training has no gradient for these ops between the weights and the loss: {listed}")
+
+
+def _untrainable_inputs(on_path, weight_names) -> list:
+    """Descriptions of the ops on the path whose input carrying a gradient has no gradient
+    builder (onnxruntime-training 1.19 builds none for Pow's exponent)."""
+    carrying = set(weight_names) | {name for node in on_path for name in node.output}
+    return [f"{describe_node(node)}, its input {index} ({what})" for node in on_path
+            for index, what in _INPUTS_WITHOUT_GRADIENT.get(node.op_type, {}).items()
+            if len(node.input) > index and node.input[index] in carrying]  # fmt: skip
 
 
 def _builder_error(error: Exception, graph: onnx.GraphProto) -> GradientBuildError:

@@ -8,6 +8,7 @@ model_desc, one is inferred from the first batch and ``forward``'s signature.
 
 import inspect
 from collections import namedtuple
+from collections.abc import Mapping
 
 import torch
 
@@ -19,7 +20,7 @@ OutputDescription = namedtuple("OutputDescription", ["name", "shape", "is_loss"]
 OutputDescriptionTyped = namedtuple("OutputDescriptionTyped", ["name", "shape", "is_loss", "dtype", "dtype_amp"])
 
 LABEL_NAME = "label"
-LOSS_NAME = "loss"
+_BY_KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
 def _shape_errors(shape):
@@ -93,6 +94,7 @@ class _ORTTrainerModelDesc:
             OutputDescription(entry[0], list(entry[1]), entry[2] if len(entry) == 3 else False)
             for entry in model_desc["outputs"]
         ]
+        self.form = None  # inferred: model_outputs.OutputForm, what a step returns; the user's: the legacy list
 
     @property
     def loss_output(self):
@@ -141,53 +143,51 @@ def _symbolic_shape(name, tensor, batch_size):
     return shape
 
 
-def _flatten_outputs(outputs):
-    if isinstance(outputs, torch.Tensor):
-        return [outputs]
-    if isinstance(outputs, (tuple, list)) and all(isinstance(item, torch.Tensor) for item in outputs):
-        return list(outputs)
-    raise TypeError(
-        f"the model must return a tensor or a tuple/list of tensors to be exported, got {type(outputs).__name__}"
-    )
-
-
-def infer_model_desc(input_names, inputs, sample_outputs):
-    """Build a legacy model_desc dict from named sample inputs and sample outputs.
-
-    ``sample_outputs`` are what the exported graph returns: the scalar loss first
-    (computed by the loss_fn or by the model itself), then the model's other outputs.
-    """
+def infer_model_desc(input_names, inputs, sample_outputs, form) -> _ORTTrainerModelDesc:
+    """The model_desc of named sample inputs and sample outputs, which ``form`` names
+    (model_outputs.flatten: the scalar loss first, computed by the loss_fn or by the model itself)."""
     batch_size = inputs[0].shape[0] if inputs and inputs[0].dim() > 0 else None
     desc_inputs = [(name, _symbolic_shape(name, tensor, batch_size)) for name, tensor in zip(input_names, inputs)]
-    outputs = _flatten_outputs(sample_outputs)
-    names = ["output"] if len(outputs) == 2 else [f"output{index}" for index in range(len(outputs) - 1)]
-    desc_outputs = [
-        (name, _symbolic_shape(name, tensor, batch_size), index == 0)
-        for index, (name, tensor) in enumerate(zip([LOSS_NAME] + names, outputs))
-    ]
-    return {"inputs": desc_inputs, "outputs": desc_outputs}
+    desc_outputs = [(name, _symbolic_shape(name, tensor, batch_size), index == 0)
+                    for index, (name, tensor) in enumerate(zip(form.names, sample_outputs))]  # fmt: skip
+    desc = _ORTTrainerModelDesc({"inputs": desc_inputs, "outputs": desc_outputs})
+    desc.form = form
+    return desc
 
 
 def match_inputs(args, kwargs, model_desc=None, model=None, has_label=False):
     """The batch given to ``train_step``/``eval_step`` as (graph input names, tensors), checked.
 
-    A single list or tuple stands for the positional inputs. With a model_desc: positional
-    inputs, then keyword inputs in its order, each of its rank, sizes and dtype. Without:
-    positional inputs named by ``model.forward``'s signature, keywords by their own name, and
-    with ``has_label`` (a loss_fn is set) the label, last positional or keyword 'label', last.
+    A single list or tuple stands for the positional inputs, a single dict (any mapping, such as a
+    Hugging Face data collator's batch) for the keyword inputs. With the user's model_desc:
+    positional inputs, then keyword inputs in its order. Otherwise (none, or the one inferred from
+    the first batch): inputs named by ``model.forward``'s parameters, in their order, with
+    ``has_label`` (a loss_fn is set) the label, last positional or keyword 'label', last; every
+    batch must have the first batch's names. Each input of the model_desc's rank, sizes and dtype.
     """
-    if len(args) == 1 and isinstance(args[0], (list, tuple)):
-        args = tuple(args[0])
-    if model_desc is not None:
-        names, tensors = _in_desc_order(model_desc.inputs, args, kwargs)
-    else:
+    args, kwargs = _positional_and_keywords(args, kwargs)
+    if model is not None and (model_desc is None or model_desc.form is not None):
         names, tensors = _named_by_forward(model, args, kwargs, has_label)
+        if model_desc is not None:
+            _check_same_names(model_desc.inputs, names)
+    else:
+        names, tensors = _in_desc_order(model_desc.inputs, args, kwargs)
     for name, tensor in zip(names, tensors):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"input '{name}' must be a torch.Tensor, got {type(tensor).__name__}")
     if model_desc is not None:
         _check_against_entries(model_desc.inputs, tensors)
     return names, tensors
+
+
+def _positional_and_keywords(args, kwargs):
+    if len(args) == 1 and isinstance(args[0], (list, tuple)):
+        return tuple(args[0]), kwargs
+    if len(args) == 1 and isinstance(args[0], Mapping):
+        if kwargs:
+            raise ValueError(f"pass the batch as one dict or as keyword arguments, not both (got a dict and {list(kwargs)})")
+        return (), dict(args[0])
+    return args, kwargs
 
 
 def _in_desc_order(entries, args, kwargs):
@@ -211,8 +211,34 @@ def _named_by_forward(model, args, kwargs, has_label):
             args, label = args[:-1], [args[-1]]
         else:
             raise ValueError(f"a loss_fn is set, so the batch needs a label: the last positional input or '{LABEL_NAME}='")
-    names = forward_input_names(model, len(args)) + list(kwargs) + [LABEL_NAME] * len(label)
-    return names, list(args) + list(kwargs.values()) + label
+    positional = forward_input_names(model, len(args))
+    parameters = inspect.signature(model.forward).parameters
+    by_keyword = [name for name, parameter in parameters.items() if parameter.kind in _BY_KEYWORD]
+    unknown = [key for key in kwargs if key not in by_keyword]
+    if unknown:
+        raise ValueError(
+            f"batch keys {unknown} are not parameters of {type(model).__name__}.forward, which takes {by_keyword}"
+            + (" (a key that only **kwargs would take is refused: a misspelt key would be silently ignored)"
+               if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values()) else "")
+        )  # fmt: skip
+    twice = [key for key in kwargs if key in positional]
+    if twice:
+        raise ValueError(f"inputs {twice} are given both positionally and by keyword")
+    keywords = [name for name in by_keyword if name in kwargs]  # forward's order: the same graph for any key order
+    return positional + keywords + [LABEL_NAME] * len(label), list(args) + [kwargs[name] for name in keywords] + label
+
+
+def _check_same_names(entries, names):
+    """A batch must have the inputs of the first one, which the graph was built for."""
+    first = [entry.name for entry in entries]
+    if names != first:
+        missing, new = [name for name in first if name not in names], [name for name in names if name not in first]
+        raise ValueError(
+            f"this batch has inputs {names}, the first batch had {first}"
+            + (f" (missing: {missing})" if missing else "") + (f" (new: {new})" if new else "")
+            + ": the graph was built for the first batch's inputs, so every batch must have the same ones (to evaluate a "
+            "model that computes its loss from 'labels', pass them to eval_step too)"
+        )  # fmt: skip
 
 
 def _check_against_entries(entries, tensors):

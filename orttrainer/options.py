@@ -5,6 +5,7 @@ and raised together as one ValueError whose message names each key by its full p
 (``mixed_precision.enabled``), what was expected, and what was given.
 """
 
+import copy
 import functools
 import warnings
 from dataclasses import dataclass
@@ -131,7 +132,7 @@ _SCHEMA = {
 }
 
 # Options the legacy schema accepts that change nothing in orttrainer, with the reason. Options that
-# orttrainer does not implement yet and refuses (trainer._check_supported) are not listed here.
+# orttrainer does not implement yet and refuses (check_implemented) are not listed here.
 IGNORED_OPTIONS = {
     "distributed.data_parallel_size": "orttrainer derives it as world_size // horizontal_parallel_size",
     "distributed.allreduce_post_accumulation": "gradients are always all-reduced once per update, after accumulation",
@@ -263,3 +264,33 @@ def _warn_ignored(options: ORTTrainerOptions) -> None:
             UserWarning,
             stacklevel=3,
         )
+
+
+def check_implemented(options) -> None:
+    """Options the schema accepts for compatibility but orttrainer does not implement yet."""
+    unsupported = {
+        "distributed.horizontal_parallel_size": options.distributed.horizontal_parallel_size > 1,
+        "distributed.pipeline_parallel.pipeline_parallel_size": options.distributed.pipeline_parallel.pipeline_parallel_size > 1,
+        "distributed.enable_adasum": options.distributed.enable_adasum,
+        "graph_transformer.attn_dropout_recompute": options.graph_transformer.attn_dropout_recompute,
+        "graph_transformer.gelu_recompute": options.graph_transformer.gelu_recompute,
+        "graph_transformer.transformer_layer_recompute": options.graph_transformer.transformer_layer_recompute,
+    }
+    used = [key for key, is_set in unsupported.items() if is_set]
+    if used:
+        raise NotImplementedError(
+            f"orttrainer does not implement these options yet: {', '.join(used)}. "
+            "Remove them from the options: their defaults turn these features off."
+        )
+
+
+def own_copy(options):
+    """A copy of the option tree the trainer may change; leaf objects (scheduler, loss scaler,
+    session options) are shared, lists copied."""
+    copied = copy.copy(options)
+    for key, value in vars(options).items():
+        if hasattr(value, "__dict__") and type(value).__module__ == options.__module__:  # a nested option group
+            setattr(copied, key, own_copy(value))
+        elif isinstance(value, (list, dict)):
+            setattr(copied, key, copy.copy(value))
+    return copied

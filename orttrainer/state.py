@@ -165,6 +165,18 @@ class TrainerState:
         return int(info["dropout_seed"]) if "dropout_seed" in info else self.seed
 
 
+def check_against_module(state: dict, module: torch.nn.Module, strict: bool) -> None:
+    """Before the build: every weight in ``state`` must be a tensor of ``module`` with its shape and
+    dtype (a missing weight can only be told once the graph says which weights the trainer holds)."""
+    own = module.state_dict()
+    for name, value in state.get("model", {}).get("full_precision", {}).items():
+        if name in own:
+            _checked_tensor(value, own[name].detach().cpu().numpy(), f"state_dict[model][full_precision][{name}]")
+        elif strict:
+            raise RuntimeError(f"Unexpected key: {name} in state_dict[model][full_precision]: {type(module).__name__} has no such "
+                               "parameter or buffer")
+
+
 def _optimizer_state_sharded(data_parallel) -> bool:
     """ZeRO-1 on several ranks: each holds the optimizer state of the weights it owns."""
     return data_parallel is not None and bool(data_parallel.owner)

@@ -11,7 +11,7 @@ import contextlib
 import numpy as np
 import torch
 from torch.onnx import symbolic_helper
-from torch.onnx._internal.torchscript_exporter import registration
+from torch.onnx._internal.torchscript_exporter import registration, symbolic_opset11
 from torch.onnx._internal.torchscript_exporter import utils as exporter_utils
 
 from . import rewrites
@@ -266,7 +266,29 @@ def embedding(g, weight, indices, padding_idx, scale_grad_by_freq, sparse):
     return g.op("Gather", weight, marked)
 
 
+def _from_the_end_wrapped(g, index, size):
+    """torch's negative index counts from the end: ``index + size`` where it is below 0."""
+    negative = g.op("Less", index, g.op("Constant", value_t=torch.tensor(0, dtype=torch.int64)))
+    return g.op("Where", negative, g.op("Add", index, size), index)
+
+
+def index(g, self, indices):
+    """``tensor[i, j]`` with integer index tensors: torch's symbolic, with negative indices first
+    turned into their positive equivalent (its flattened-index formula is wrong for them)."""
+    if not symbolic_helper._is_packed_list(indices):
+        return symbolic_opset11.index(g, self, indices)
+    listed = symbolic_helper._unpack_list(indices)
+    shape = g.op("Shape", self)
+    wrapped = []
+    for dim, entry in enumerate(listed):
+        integer = not symbolic_helper._is_none(entry) and entry.type().scalarType() not in ("Bool", "Byte")
+        size = g.op("Gather", shape, g.op("Constant", value_t=torch.tensor([dim], dtype=torch.int64)), axis_i=0)
+        wrapped.append(_from_the_end_wrapped(g, g.op("Cast", entry, to_i=7), size) if integer else entry)
+    return symbolic_opset11.index(g, self, g.op("prim::ListConstruct", *wrapped))
+
+
 _SYMBOLICS = {
+    "index": index,
     "embedding": embedding,
     "softplus": softplus,
     "max": _extreme("ReduceMax", symbolic_helper._max_helper),

@@ -20,14 +20,15 @@ import onnx
 import onnxruntime
 import torch
 
-from . import amp, build, distributed, graph, session, verify
+from . import amp, build, distributed, graph, graph_cache, session, verify
 from .gradients import Gradients
 from .model_desc import _ORTTrainerModelDesc, match_inputs
+from .model_outputs import as_list
 from .optim import _update
 from ._arguments import _argument_error, _check_argument, _is_non_negative
 from .optim.config import _OptimizerConfig
-from .options import ORTTrainerOptions
-from .state import TrainerState, read_checkpoint, write_checkpoint
+from .options import ORTTrainerOptions, check_implemented, own_copy
+from .state import TrainerState, check_against_module, read_checkpoint, write_checkpoint
 
 
 class TrainStepInfo:
@@ -86,24 +87,6 @@ def _accepts_two_arguments(function) -> bool:
     return True
 
 
-def _check_supported(options):
-    """Options the schema accepts for compatibility but orttrainer does not implement yet."""
-    unsupported = {
-        "distributed.horizontal_parallel_size": options.distributed.horizontal_parallel_size > 1,
-        "distributed.pipeline_parallel.pipeline_parallel_size": options.distributed.pipeline_parallel.pipeline_parallel_size > 1,
-        "distributed.enable_adasum": options.distributed.enable_adasum,
-        "graph_transformer.attn_dropout_recompute": options.graph_transformer.attn_dropout_recompute,
-        "graph_transformer.gelu_recompute": options.graph_transformer.gelu_recompute,
-        "graph_transformer.transformer_layer_recompute": options.graph_transformer.transformer_layer_recompute,
-    }
-    used = [key for key, is_set in unsupported.items() if is_set]
-    if used:
-        raise NotImplementedError(
-            f"orttrainer does not implement these options yet: {', '.join(used)}. "
-            "Remove them from the options: their defaults turn these features off."
-        )
-
-
 def _attribute_of(owner: str, name: str):
     """A read-only attribute: ``self.<owner>.<name>``, None before the build."""
     return property(lambda self: None if getattr(self, owner) is None else getattr(getattr(self, owner), name))
@@ -118,8 +101,8 @@ class ORTTrainer:
 
     def __init__(self, model, model_desc, optim_config, loss_fn=None, options=None):
         _check_constructor_arguments(model, model_desc, optim_config, loss_fn, options)
-        self.options = _own_copy(options) if options is not None else ORTTrainerOptions()  # the user's is never changed
-        _check_supported(self.options)
+        self.options = own_copy(options) if options is not None else ORTTrainerOptions()  # the user's is never changed
+        check_implemented(self.options)
         self.model_desc = _ORTTrainerModelDesc(model_desc) if model_desc is not None else None
         self.optim_config = optim_config
         self.loss_fn = loss_fn
@@ -136,7 +119,11 @@ class ORTTrainer:
             self._data_parallel = distributed.join(self._world, self.options.distributed, self._device)
         if self.options.mixed_precision.enabled and self.options.mixed_precision.loss_scaler is None:
             self.options.mixed_precision.loss_scaler = amp.DynamicLossScaler()
-        if self._torch_model is None:
+        self._graphs = None  # a torch model's graphs, one per batch shape signature that needs its own
+        if self._torch_model is not None:
+            self._graphs = graph_cache.GraphCache(model, loss_fn, self.options, self.model_desc, self._device,
+                                                  self._providers, self._data_parallel)  # fmt: skip
+        else:
             self._adopt(build.from_onnx(copy.deepcopy(model), self.options, self.model_desc, self._device, self._providers,
                                         self._data_parallel))  # fmt: skip
 
@@ -157,13 +144,17 @@ class ORTTrainer:
 
     # --------------------------------------------------------- initialization
     def _ensure_initialized(self, args, kwargs):
-        """The batch on the device, matched to the graph's inputs and checked; the first batch of a
-        torch model builds the runtime."""
+        """The batch on the device, matched to the graph's inputs and checked; a torch model runs the
+        graph of the batch's shape signature (graph_cache.py: the first batch of one exports and may build)."""
         input_names, inputs = self._match_inputs(args, kwargs)
-        if self._runtime is None:
-            self._adopt(build.from_torch(self._torch_model, self.loss_fn, input_names, inputs, self.options, self.model_desc,
-                                         self._device, self._providers, self._data_parallel))  # fmt: skip
-            input_names, inputs = self._match_inputs(args, kwargs)  # now checked against the typed model_desc
+        if self._graphs is not None:
+            runtime = self._graphs.runtime_for(input_names, inputs)
+            if self._runtime is None:
+                self._adopt(runtime)
+                input_names, inputs = self._match_inputs(args, kwargs)  # now checked against the typed model_desc
+            elif runtime is not self._runtime:
+                self._runtime = runtime
+                self._gradients.attach(runtime)
         self._runtime.check_batch(inputs)
         return inputs
 
@@ -173,19 +164,17 @@ class ORTTrainer:
 
     def _adopt(self, runtime):
         """Take a built runtime: gradient buffers and the optimizer of the weights this rank updates
-        (on several ranks, rank 0's dropout seed); then apply a state_dict loaded before the build,
-        and debug.check_model_export."""
+        (on several ranks, rank 0's dropout seed), the model_desc batches are checked against; then
+        apply a state_dict loaded before the build."""
         if self._data_parallel is not None:
             self._seed = distributed.gather_objects(self._world, self._seed)[0]  # rank 0's, as a checkpoint keeps it
-        gradients = Gradients(runtime.weights, runtime.trainable, runtime.owned, runtime.train_session,
-                              runtime.gradient_outputs, runtime.embeddings)  # fmt: skip
+        gradients = Gradients(runtime)
         optimizer = _update.make_optimizer(self.optim_config, {name: runtime.weights[name] for name in runtime.owned},
                                            self.options.utils.grad_norm_clip)  # fmt: skip
         self._runtime, self._gradients, self._optimizer = runtime, gradients, optimizer
-        self.model_desc = runtime.model_desc
+        self.model_desc = runtime.model_desc if self._graphs is None else self._graphs.model_desc
         if self._load_state_dict is not None:
             self._load_state_dict()
-        runtime.check_export()
 
     # ------------------------------------------------------------------ steps
     def train_step(self, *args, **kwargs):
@@ -252,11 +241,11 @@ class ORTTrainer:
             gradients = {name: grad.float() / runtime.loss_scale.item() for name, grad in gradients.items()}
         output_names = [entry.name for entry in self.model_desc.outputs]
         ort = verify.StepResult(dict(zip(output_names, outputs)), gradients, buffers)
-        reference = verify.torch_step(module, self.loss_fn, forward_names, inputs, runtime.weights, output_names,
-                                      self.model_desc.loss_output.name, list(gradients))  # fmt: skip
+        run_torch = functools.partial(verify.torch_step, module, self.loss_fn, forward_names, inputs, output_names=output_names,
+                                      loss_name=self.model_desc.loss_output.name, trained=list(gradients))  # fmt: skip
         dtype = torch.float16 if self.options.mixed_precision.enabled else torch.float32
         where = graph.where_in_graph(runtime.onnx_model, list(gradients) + output_names + list(buffers))
-        verify.report(verify.compare(ort, reference, dtype, where), self.options.debug.check_against_torch)
+        verify.check(ort, run_torch, runtime.weights, dtype, where, self.options.debug.check_against_torch)
 
     def _update_weights(self, lr, accumulation):
         """Sum over ranks, undo the loss scale (skipping non-finite steps), then the optimizer on
@@ -300,14 +289,18 @@ class ORTTrainer:
 
     def _select_outputs(self, outputs, requested):
         by_name = dict(zip([entry.name for entry in self.model_desc.outputs], outputs))
-        selected = [by_name[name] for name in requested]
-        return selected[0] if len(selected) == 1 else selected
+        return self._returned([by_name[name] for name in requested])
+
+    def _returned(self, selected):
+        """The requested outputs in the model's form (its ModelOutput or dict, when it returned one
+        and no fetches are set), else the legacy list, a single tensor bare."""
+        form = self.model_desc.form
+        return form.pack(selected) if form is not None and not self._train_step_info.fetches else as_list(selected)
 
     def eval_step(self, *args, **kwargs):
         """Forward only, in inference mode (dropout off, BatchNorm on running statistics)."""
         inputs = self._ensure_initialized(args, kwargs)
-        outputs = self._runtime.run_eval(inputs, self._requested_outputs())
-        return outputs[0] if len(outputs) == 1 else outputs
+        return self._returned(self._runtime.run_eval(inputs, self._requested_outputs()))
 
     # ------------------------------------------------------------- state dict
     def state_dict(self, pytorch_format=False):
@@ -320,6 +313,15 @@ class ORTTrainer:
             )
             return self._load_state_dict.args[0] if self._load_state_dict is not None else {}
         return self._state.pytorch() if pytorch_format else self._state.capture()
+
+    def sync_to_module(self):
+        """Copy the trained weights and buffers into the torch module the user passed, so that
+        ``model.save_pretrained(...)`` and plain torch eval see them; it is explicit because the
+        trainer never mutates the user's module behind their back."""
+        if self._torch_model is None or self._runtime is None:
+            raise RuntimeError("sync_to_module needs the torch module the trainer was given and a first train_step or "
+                               "eval_step (with an ONNX model, use state_dict() or save_as_onnx)")  # fmt: skip
+        self._torch_model.load_state_dict(self._state.pytorch(), strict=True)
 
     @property
     def _state(self):
@@ -334,6 +336,8 @@ class ORTTrainer:
         bad dict leaves the trainer unchanged.
         """
         if self._runtime is None:
+            if self._torch_model is not None:
+                check_against_module(state_dict, self._torch_model, strict)
             self._load_state_dict = functools.partial(self._apply_state_dict, state_dict, strict)
             return
         self._apply_state_dict(state_dict, strict)
@@ -365,7 +369,10 @@ class ORTTrainer:
         user_dict is only unpickled with ``allow_pickle=True``.
         """
         state, user_dict = read_checkpoint(paths, self._world.size, allow_pickle)
-        self.load_state_dict(state, strict=strict)
+        try:
+            self.load_state_dict(state, strict=strict)
+        except RuntimeError as error:
+            raise RuntimeError(f"checkpoint {', '.join(map(str, paths))} does not fit this trainer: {error}") from error
         return user_dict
 
     # ----------------------------------------------------------------- export
@@ -382,15 +389,3 @@ class ORTTrainer:
                 "(e.g. trainer.eval_step(*batch) right after load_checkpoint) before saving"
             )
         onnx.save(self._runtime.inference_model(with_loss), path)
-
-
-def _own_copy(options):
-    """A copy of the option tree the trainer may change; leaf objects (scheduler, loss scaler,
-    session options) are shared, lists copied."""
-    copied = copy.copy(options)
-    for key, value in vars(options).items():
-        if hasattr(value, "__dict__") and type(value).__module__ == options.__module__:  # a nested option group
-            setattr(copied, key, _own_copy(value))
-        elif isinstance(value, (list, dict)):
-            setattr(copied, key, copy.copy(value))
-    return copied

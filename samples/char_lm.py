@@ -32,6 +32,8 @@ from tqdm import tqdm
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 
+from loss_curve import plot_loss_curve  # samples/loss_curve.py
+
 BLOCK = 64  # characters of context
 
 
@@ -179,25 +181,6 @@ def generate(onnx_path: Path, data: CharData, prompt: str, length: int) -> str:
     return data.decode(ids)
 
 
-def plot_losses(history: dict, baseline: float, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(7, 4))
-    axes.plot(*zip(*history["train"]), label="train (micro-batch)", alpha=0.6)
-    if history["eval"]:
-        axes.plot(*zip(*history["eval"]), "o-", label="held-out")
-    axes.axhline(baseline, color="gray", linestyle="--", label="unigram baseline")
-    axes.set_xlabel("train_step")
-    axes.set_ylabel("cross-entropy (nats/char)")
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-
-
 # ------------------------------------------------------------------------------ main
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -278,7 +261,8 @@ def main():
     print("sample from the exported model:\n" + "-" * 60)
     print(generate(onnx_path, data, "def ", 200))
     print("-" * 60)
-    plot_losses(history, baseline, out_dir / "loss_curve.png")
+    plot_loss_curve({"train (micro-batch)": history["train"], "held-out": history["eval"]}, "cross-entropy (nats/char)",
+                    out_dir / "loss_curve.png", baseline=("unigram baseline", baseline))
     print(f"loss curve: {out_dir / 'loss_curve.png'}; checkpoints: {out_dir}/checkpoint_*.ortcp")
 
 

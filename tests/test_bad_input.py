@@ -1,5 +1,6 @@
 """Bad input: a specific exception naming the culprit, raised before any state changes."""
 
+import onnx
 import pytest
 import torch
 import torch.nn as nn
@@ -7,7 +8,7 @@ import torch.nn.functional as F
 from models import MLP, CNN, cnn_batch, mlp_batch
 from parity import cpu_options
 
-from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+from orttrainer import GradientBuildError, ORTTrainer, ORTTrainerOptions, optim
 
 MLP_DESC = {"inputs": [("x", ["batch", 32]), ("label", ["batch"])], "outputs": [("loss", [], True), ("logits", ["batch", 10])]}
 
@@ -155,7 +156,6 @@ def test_op_without_gradient_names_op_and_module():
         def forward(self, x):
             return self.head(self.block(self.fc(x))).squeeze(-1)
 
-    from orttrainer.graph import GradientBuildError
 
     trainer = make_trainer(model=WithRNN(), loss_fn=F.mse_loss)
     with pytest.raises(GradientBuildError, match=r"no gradient for these ops .*: RNN \(node '/model/block/rnn/RNN', module 'block.rnn'\)"):
@@ -226,24 +226,32 @@ def test_out_of_range_ids_and_targets_name_the_input_and_range_and_change_nothin
     assert "onnxruntime" not in capfd.readouterr().err
 
 
-def test_onnx_runtime_failure_names_the_op_and_module_and_changes_nothing(capfd):
-    """A failure no check catches before the run (here a reshape that does not fit) reads as one line."""
+class Folds(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
 
-    class Folds(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(6, 6)
+    def forward(self, x):
+        return self.fc(x).reshape(-1, 3, 4)
 
-        def forward(self, x):
-            return self.fc(x).reshape(-1, 3, 4)
 
+def test_onnx_runtime_failure_names_the_op_and_module_and_changes_nothing(capfd, tmp_path):
+    """A failure no check catches before the run (here a reshape that does not fit) reads as one line.
+    A torch module's new batch shape is exported first, so torch's own error comes first."""
     trainer = make_trainer(model=Folds(), loss_fn=lambda out, y: (out * y).sum())
     trainer.train_step(torch.randn(2, 6), torch.randn(1, 3, 4))
-    before = snapshot(trainer)
-    capfd.readouterr()
-    with pytest.raises(RuntimeError, match=r"ONNX Runtime failed on this batch in Reshape \(node '/model/Reshape'"):
+    with pytest.raises(RuntimeError, match=r"shape '\[-1, 3, 4\]' is invalid for input of size 18"):
         trainer.train_step(torch.randn(3, 6), torch.randn(1, 3, 4))
-    assert_untouched(trainer, before)
+    path = tmp_path / "folds.onnx"
+    torch.onnx.export(Folds(), (torch.randn(2, 6),), path, dynamo=False, input_names=["x"], output_names=["loss"],
+                      dynamic_axes={"x": {0: "batch"}})  # fmt: skip
+    graph_only = ORTTrainer(onnx.load(path), {"inputs": [("x", ["batch", 6])], "outputs": [("loss", [1, 3, 4], True)]},
+                            optim.SGDConfig(lr=0.1), options=cpu_options())  # fmt: skip
+    before = snapshot(graph_only)
+    capfd.readouterr()
+    with pytest.raises(RuntimeError, match=r"ONNX Runtime failed on this batch in Reshape \(node '/Reshape'"):
+        graph_only.train_step(torch.randn(3, 6))
+    assert_untouched(graph_only, before)
     assert "onnxruntime" not in capfd.readouterr().err
 
 
@@ -283,3 +291,22 @@ def test_what_the_user_passed_in_is_never_changed():
     onnx_trainer = ORTTrainer(proto, None, optim.SGDConfig(lr=0.1), options=cpu_options())
     onnx_trainer.train_step(*cnn_batch())
     assert proto.SerializeToString() == original
+
+
+class LastState(nn.Module):
+    """squeeze(1) of a gathered dimension the exporter cannot size: it exports an ONNX If."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x, lengths):
+        index = (lengths - 1).view(-1, 1, 1).expand(-1, 1, x.shape[-1])
+        return self.fc(x.gather(1, index).squeeze(1))
+
+
+def test_control_flow_before_the_loss_is_refused_instead_of_aborting_the_process():
+    """onnxruntime-training 1.19's gradient builder kills the process on an If (a C++ assertion)."""
+    trainer = ORTTrainer(LastState(), None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
+    with pytest.raises(GradientBuildError, match=r"If \(node '/model/If'\): control flow, e\.g\. from squeeze\(\)"):
+        trainer.train_step(torch.randn(4, 7, 8), torch.tensor([7, 5, 3, 7]), torch.tensor([0, 1, 2, 0]))

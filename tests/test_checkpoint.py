@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import subprocess_env
 from models import CNN, MLP, cnn_batch, mlp_batch
 from parity import cpu_options
 
@@ -20,8 +21,6 @@ from orttrainer import ORTTrainer, checkpoint, optim
 from orttrainer.checkpoint import CheckpointError
 
 HERE = Path(__file__).parent
-# child processes import orttrainer from this checkout even where it is not installed
-CHILD_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))}
 
 
 def adam_trainer(steps=3, model=None, config=None):
@@ -140,6 +139,21 @@ def test_shape_and_optimizer_mismatches_are_refused():
     assert_same_state(trainer.state_dict(), before)
 
 
+def test_a_checkpoint_of_another_model_is_refused_at_load_time_naming_the_file(tmp_path):
+    path = tmp_path / "cnn.ortcp"
+    adam_trainer(steps=1).save_checkpoint(str(path))
+    fresh = ORTTrainer(MLP(), None, optim.AdamConfig(lr=1e-2), loss_fn=F.cross_entropy, options=cpu_options())
+    with pytest.raises(RuntimeError, match=rf"checkpoint {path} does not fit this trainer: .*"
+                                           r"Unexpected key: features.0.bias in state_dict\[model\]\[full_precision\]"):
+        fresh.load_checkpoint(str(path))  # before any step: refused now, not at the next train_step
+    other_widths = ORTTrainer(CNN(), None, optim.AdamConfig(lr=1e-2), loss_fn=F.cross_entropy, options=cpu_options())
+    other_widths._torch_model.head = torch.nn.Linear(other_widths._torch_model.head.in_features, 5)
+    with pytest.raises(RuntimeError, match=r"state_dict\[model\]\[full_precision\]\[head.bias\] has shape \[10\], "
+                                           r"the trainer's has \[5\]"):
+        other_widths.load_checkpoint(str(path))
+    assert fresh.state_dict() == {} and other_widths.state_dict() == {}  # nothing kept for the build
+
+
 def test_existing_file_is_not_overwritten_unless_asked(tmp_path):
     trainer = adam_trainer()
     path = tmp_path / "ckpt.h5"
@@ -229,7 +243,7 @@ checkpoint._write = slow_write
 trainer.train_step(*mlp_batch())
 trainer.save_checkpoint({str(path)!r}, overwrite=True)
 """
-    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=CHILD_ENV)
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=subprocess_env())
     assert process.stdout.readline() == "writing\n"  # the second save is under way
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=30)
@@ -240,7 +254,7 @@ trainer.save_checkpoint({str(path)!r}, overwrite=True)
 
 
 def _run_job(*args):
-    subprocess.run([sys.executable, str(HERE / "resume_job.py"), *map(str, args)], check=True, cwd=HERE, timeout=300, env=CHILD_ENV)
+    subprocess.run([sys.executable, str(HERE / "resume_job.py"), *map(str, args)], check=True, cwd=HERE, timeout=300, env=subprocess_env())
 
 
 def test_resume_in_a_new_process_is_bit_exact(tmp_path):

@@ -1,6 +1,5 @@
 """Data parallel training under torchrun (gloo, 2 processes on the CPU)."""
 
-import os
 import subprocess
 import sys
 import time
@@ -8,14 +7,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import subprocess_env
 
 from orttrainer import ORTTrainerOptions
 from orttrainer.distributed import owners, world_from
 
 HERE = Path(__file__).parent
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH")]))}
-for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-    ENV.pop(name, None)
+ENV = subprocess_env(HERE)
 
 
 def run(*args, ranks=1, check=True, timeout=300):

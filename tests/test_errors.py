@@ -74,7 +74,7 @@ def test_train_step_info_checks(arguments, error, message):
 
 
 def test_error_types_users_catch_are_exported():
-    from orttrainer import checkpoint, distributed, export, graph, verify
+    from orttrainer import checkpoint, cuda_libraries, distributed, export, graph, session, verify
 
     assert orttrainer.CheckpointError is checkpoint.CheckpointError
     assert orttrainer.ExportError is export.ExportError
@@ -82,8 +82,10 @@ def test_error_types_users_catch_are_exported():
     assert orttrainer.RunError is graph.RunError
     assert orttrainer.RankWriteError is distributed.RankWriteError
     assert orttrainer.TorchMismatchError is verify.TorchMismatchError
-    assert {"CheckpointError", "ExportError", "GradientBuildError", "RunError", "RankWriteError",
-            "TorchMismatchError"} <= set(orttrainer.__all__)
+    assert orttrainer.GPULibraryError is cuda_libraries.GPULibraryError
+    assert orttrainer.ProviderFallbackError is session.ProviderFallbackError
+    assert {"CheckpointError", "ExportError", "GradientBuildError", "RunError", "RankWriteError", "TorchMismatchError",
+            "GPULibraryError", "ProviderFallbackError"} <= set(orttrainer.__all__)
 
 
 def test_no_assert_statements_in_the_package():

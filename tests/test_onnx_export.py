@@ -76,8 +76,8 @@ def test_check_model_export_catches_a_diverging_export(monkeypatch):
     original = export.sample_outputs
 
     def off_by_one(*args):
-        loss, output = original(*args)
-        return loss, output + 1
+        (loss, output), form = original(*args)
+        return (loss, output + 1), form
 
     monkeypatch.setattr(export, "sample_outputs", off_by_one)
     with pytest.raises(AssertionError, match=r"debug.check_model_export: ONNX output 'output' differs from torch"):

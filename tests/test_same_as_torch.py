@@ -158,7 +158,8 @@ def test_batchnorm_over_one_value_per_channel_is_refused_and_changes_nothing():
     trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
     trainer.train_step(torch.randn(8, 6), torch.randint(0, 2, (8,)))
     before = trainer.state_dict(pytorch_format=True)
-    with pytest.raises(ValueError, match=r"Expected more than 1 value per channel when training: batch norm '1'"):
+    # a new batch size is exported first, and torch's own forward refuses it; at a known size the trainer does
+    with pytest.raises(ValueError, match=r"Expected more than 1 value per channel when training"):
         trainer.train_step(torch.randn(1, 6), torch.randint(0, 2, (1,)))
     after = trainer.state_dict(pytorch_format=True)
     for name, value in before.items():
@@ -175,7 +176,7 @@ class DataDependentBranch(nn.Module):
 
     def forward(self, x):
         y = self.fc(x)
-        if y.sum() > 0:
+        if x.sum() > 0:
             y = y * 2
         return y
 
@@ -202,9 +203,8 @@ class MutatesBuffer(nn.Module):
 
 @pytest.mark.parametrize(
     "module, message",
-    [(DataDependentBranch, r"test_same_as_torch.py:\d+: if y.sum\(\) > 0:: a Python `if` on a tensor"),
-     (MutatesBuffer, r"forward changes this buffer in place")],
-    ids=["python-if-on-tensor", "buffer-mutated-in-forward"],
+    [(MutatesBuffer, r"forward changes this buffer in place")],
+    ids=["buffer-mutated-in-forward"],
 )  # fmt: skip
 def test_trace_that_would_differ_from_the_module_is_refused_naming_the_line(module, message):
     trainer = ORTTrainer(module(), None, optim.SGDConfig(lr=0.1), loss_fn=F.mse_loss, options=cpu_options())
@@ -226,22 +226,40 @@ class WidthAsPythonNumber(nn.Module):
         return torch.cat([first * second, second], dim=-1) / math.sqrt(width)
 
 
-def test_value_frozen_from_the_data_is_refused_at_the_first_batch_of_other_values():
-    trainer = ORTTrainer(BakedInteger(), None, optim.SGDConfig(lr=0.1), loss_fn=F.mse_loss, options=cpu_options())
-    x, y = torch.randn(3, 4), torch.randn(3, 4)
-    trainer.train_step(x, y)
-    trainer.train_step(x, y)  # the same values: nothing to compare yet
-    with pytest.raises(ExportError, match=r"depends on the values of the batch(.|\n)*test_same_as_torch.py:\d+: return self.fc"):
-        trainer.train_step(torch.randn(3, 4), y)
+class WeightDependentBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if self.fc.weight.mean() > 0:
+            return self.fc(x)
+        return -self.fc(x)
 
 
-def test_value_frozen_from_a_fixed_width_trains_like_torch_at_the_first_batch_shape():
+@pytest.mark.parametrize(
+    "module, line",
+    [(BakedInteger, r"return self.fc\(x\) \* int\(x.abs\(\).sum\(\)\)"),
+     (DataDependentBranch, r"if x.sum\(\) > 0:"),
+     (WeightDependentBranch, r"if self.fc.weight.mean\(\) > 0:")],
+    ids=["python-number", "python-if", "python-if-on-a-weight"],
+)  # fmt: skip
+def test_python_value_from_the_data_or_weights_is_refused_at_the_first_batch_naming_the_line(module, line):
+    """Traced, the branch or number of the first batch would hold for every batch; a value computed
+    from shapes alone (WidthAsPythonNumber, shape-dependent ifs in test_shapes.py) is allowed."""
+    trainer = ORTTrainer(module(), None, optim.SGDConfig(lr=0.1), loss_fn=F.mse_loss, options=cpu_options())
+    with pytest.raises(ExportError, match=rf"test_same_as_torch.py:\d+: {line}: a Python value .* computed from the values "
+                                          r"of the batch or the weights"):
+        trainer.train_step(torch.randn(3, 4), torch.randn(3, 4))
+    assert trainer._training_session is None
+
+
+def test_value_frozen_from_a_fixed_width_trains_like_torch_at_every_batch_shape():
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1)
-    data = [(torch.randn(3, 4, generator=generator), torch.randn(3, 4, generator=generator)) for _ in range(3)]
+    data = [(torch.randn(rows, 4, generator=generator), torch.randn(rows, 4, generator=generator)) for rows in (3, 3, 5, 3)]
     trainer, _ = run_parity(WidthAsPythonNumber(), data, optim.SGDConfig(lr=0.1), sgd, loss_fn=F.mse_loss)
-    with pytest.raises(ValueError, match=r"input 'x' has shape \[5, 4\], but this model's graph only takes the first batch's"):
-        trainer.train_step(torch.randn(5, 4), torch.randn(5, 4))
+    assert trainer._graphs.built == 1  # the export at 5 rows gave the same graph
 
 
 class ReverseGradient(torch.autograd.Function):
@@ -364,3 +382,27 @@ def test_builtin_check_runs_once_per_graph_and_leaves_training_unchanged(monkeyp
     batches_ = batches(cnn_batch, count=3)
     run_parity(CNN(), batches_, optim.SGDConfig(lr=0.1), sgd, loss_fn=F.cross_entropy)
     assert calls == [1]
+
+
+class PickPositions(nn.Module):
+    """Advanced indexing with index tensors from the batch, as sequence models pick the last token."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x, position):
+        rows = torch.arange(x.shape[0])
+        return self.fc(x[rows, position] + x[:, position[0]] + x[rows, -1])
+
+
+def test_negative_indices_count_from_the_end_like_torch():
+    """torch's exporter computes a flattened index that is wrong for negative indices; orttrainer wraps them."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    positions = [torch.tensor([6, 4, -1, 6]), torch.tensor([-7, -2, 3, 0]), torch.tensor([-1, -1, -1, -1])]
+    data = [(torch.randn(4, 7, 8, generator=generator), position, torch.randint(0, 3, (4,), generator=generator))
+            for position in positions]  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*negative values")  # handled, so not passed on
+        run_parity(PickPositions(), data, optim.SGDConfig(lr=0.1), sgd, loss_fn=F.cross_entropy)

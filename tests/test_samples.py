@@ -4,6 +4,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, subprocess_env
 
 
@@ -61,3 +63,13 @@ def test_torchrun_sample_trains_on_two_ranks_with_zero(tmp_path):
     weights = {name for name in state["model"]["full_precision"] if not name.endswith(buffers)}
     assert state["trainer_options"]["world_size"] == 1
     assert set(state["optimizer"]) == weights, "the consolidated file holds every rank's part of Adam's state"
+
+
+def test_hf_text_classifier_trains_the_transformers_way_and_saves_a_loadable_model(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="the sample trains a transformers model (test extra)")
+    output = run_sample(ROOT / "samples/hf_text_classifier.py", "--epochs", 1, "--max-files", 6, "--out-dir", tmp_path)
+    first, last = map(float, re.search(r"of the first \d+ steps ([\d.]+), of the last \d+ ([\d.]+)", output).groups())
+    assert last < first, output
+    assert "final held-out accuracy" in output and (tmp_path / "loss_curve.png").stat().st_size > 0
+    model = transformers.BertForSequenceClassification.from_pretrained(tmp_path / "model")
+    assert model.config.num_labels == 6

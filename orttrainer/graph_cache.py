@@ -1,0 +1,142 @@
+"""Which graph serves which batch of a torch module: one graph per batch shape signature where the trace needs it.
+
+The TorchScript exporter traces the module at one batch, and a trace can hold sizes of that
+batch (the Reshape shapes of seq-first attention, the branch a Python ``if`` on a shape took):
+right at that batch's shapes, wrong at others. So the first batch of every new shape signature
+(the inputs' names, shapes and dtypes) is exported again and compared with the graphs already
+built, without their weights: the same graph (a trace generic in those shapes: checked, not
+assumed) serves the new signature too; another graph is built over the same weight tensors
+(``build.from_torch(..., shared=)``), so one optimizer, one set of gradient buffers, BatchNorm
+statistics, scales and checkpoint serve all graphs. At most ``MAX_GRAPHS`` built graphs are
+kept; the least recently used is dropped with its sessions, and a warning says once that the
+shapes keep changing.
+
+A trace that froze values of its batch (``export._FROZEN_VALUE``: a tensor turned into a Python
+number or bool) is right when those values come from shapes or constants, wrong when they come
+from the data: the first batch of the signature with other values is exported once more and must
+give the same graph (``export.refuse_data_dependent_trace``).
+"""
+
+import collections
+import copy
+import warnings
+
+import onnx
+import torch
+
+from . import build, export
+
+MAX_GRAPHS = 8  # built graphs kept (each holds a training and an eval session)
+
+
+class _Graph:
+    """A built graph and the structure it is recognised by (``_structure``)."""
+
+    def __init__(self, runtime, structure: bytes):
+        self.runtime, self.structure = runtime, structure
+
+
+class _ValuesCheck:
+    """A signature whose trace froze values of its first batch: at the first batch of other values,
+    one more export, which must give the same graph."""
+
+    def __init__(self, exported, structure: bytes):
+        self.locations, self.first_inputs, self.structure = exported.frozen_values, exported.inputs, structure
+
+    def done(self, source, input_names, inputs) -> bool:
+        """Whether the check ran (then the signature needs no other); ExportError if the graph differs."""
+        cpu_inputs = [tensor.cpu() for tensor in inputs]
+        if all(torch.equal(first, now) for first, now in zip(self.first_inputs, cpu_inputs)):
+            return False
+        again = source.export(input_names, cpu_inputs)
+        export.refuse_data_dependent_trace(self.structure, _structure(again.onnx_model, again.state), self.locations)
+        return True
+
+
+class GraphCache:
+    """The graphs of one trainer's torch module, by batch shape signature, least recently used first.
+
+    ``model_desc`` is what the trainer accepts: the user's, or the one inferred from the first
+    batch with every size free (the module decides which shapes it accepts). ``built`` counts the
+    graphs built so far, dropped ones included.
+    """
+
+    def __init__(self, model, loss_fn, options, model_desc, device, providers, data_parallel):
+        self._given = (model, loss_fn, options, model_desc)
+        self._where = (device, providers, data_parallel)
+        self._source = None  # build.TorchSource, made at the first batch
+        self._graphs = collections.OrderedDict()  # structure -> _Graph
+        self._signatures = {}  # signature -> [_Graph, _ValuesCheck or None]
+        self.model_desc = None
+        self.built = 0
+        self._warned = False
+
+    def runtime_for(self, input_names, inputs) -> build.Runtime:
+        """The Runtime of this batch's signature; the first batch of a new one exports (and maybe builds)."""
+        signature = tuple((name, tuple(tensor.shape), tensor.dtype) for name, tensor in zip(input_names, inputs))
+        entry = self._signatures.get(signature)
+        if entry is None:
+            entry = self._signatures[signature] = self._add(input_names, inputs)
+        elif entry[1] is not None and entry[1].done(self._source, input_names, inputs):
+            entry[1] = None
+        self._graphs.move_to_end(entry[0].structure)
+        return entry[0].runtime
+
+    def _add(self, input_names, inputs) -> list:
+        """Export at this batch; reuse the built graph it equals, or build one over the same weights."""
+        model, loss_fn, options, model_desc = self._given
+        if self._source is None:
+            self._source = build.TorchSource(model, loss_fn, input_names, options, model_desc)
+        shared = next(reversed(self._graphs.values())).runtime if self._graphs else None
+        if shared is not None:
+            self._source.load_weights(shared.weights)
+        exported = self._source.export(input_names, inputs)
+        structure = _structure(exported.onnx_model, exported.state)
+        graph = self._graphs.get(structure)
+        if graph is None:
+            runtime = build.from_torch(self._source, exported, *self._where, shared=shared)
+            runtime.check_export()
+            graph = self._graphs[structure] = _Graph(runtime, structure)
+            self.built += 1
+            if self.model_desc is None:
+                self.model_desc = runtime.model_desc if model_desc is not None else _any_size(runtime.model_desc)
+            self._drop_least_recently_used()
+        return [graph, _ValuesCheck(exported, structure) if exported.frozen_values else None]
+
+    def _drop_least_recently_used(self) -> None:
+        if len(self._graphs) <= MAX_GRAPHS:
+            return
+        while len(self._graphs) > MAX_GRAPHS:
+            _, dropped = self._graphs.popitem(last=False)
+            self._signatures = {key: entry for key, entry in self._signatures.items() if entry[0] is not dropped}
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"orttrainer: the batch shapes keep changing: {self.built} graphs built so far (an export and a graph "
+                f"build each), at most {MAX_GRAPHS} kept; pad batches to a few fixed lengths (e.g. a tokenizer's "
+                "pad_to_multiple_of=8) so that fewer graphs are built"
+            )
+
+
+def _structure(model: onnx.ModelProto, state: dict) -> bytes:
+    """The graph without the module's weights and buffers (they change as training goes on): nodes,
+    constants, declared inputs and outputs."""
+    structure = onnx.GraphProto()
+    for field, value in model.graph.ListFields():
+        if field.name == "initializer":
+            structure.initializer.extend(init for init in value if init.name not in state)
+        elif isinstance(value, str):  # name, doc_string
+            setattr(structure, field.name, value)
+        else:
+            getattr(structure, field.name).extend(value)
+    return structure.SerializeToString()
+
+
+def _any_size(desc):
+    """A copy of an inferred model_desc with every fixed size made symbolic ('<name>_dim<i>')."""
+    free = copy.deepcopy(desc)
+    for entries in (free.inputs, free.outputs):
+        for index, entry in enumerate(entries):
+            shape = [dim if isinstance(dim, str) else f"{entry.name}_dim{axis}" for axis, dim in enumerate(entry.shape)]
+            entries[index] = entry._replace(shape=shape)
+    return free

@@ -1,0 +1,285 @@
+"""Models as Hugging Face users have them: forward by keyword, labels in the batch, the loss computed
+by the model, a ModelOutput (or dict) returned; no loss_fn, no model_desc.
+
+The Hugging Face models are tiny random-init configs (hidden 32, 2 layers, 2 heads, vocab 100,
+every dropout 0), trained at one batch shape. Models written here return dicts, to test the output
+rules (model_outputs.py) without transformers.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from parity import assert_close_state, cpu_options
+
+from orttrainer import ExportError, ORTTrainer, optim
+
+LR = 0.1
+VOCAB = 100
+BATCH, LENGTH = 3, 8
+
+
+def _transformers():
+    return pytest.importorskip("transformers", reason="Hugging Face models need transformers (the test extra)")
+
+
+def _close(actual, expected, what):
+    torch.testing.assert_close(actual, expected.detach(), atol=1e-5, rtol=1e-5, msg=lambda m: f"{what}: {m}")
+
+
+# ------------------------------------------------------------------ Hugging Face models
+def _bert_config(**extra):
+    return _transformers().BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                      intermediate_size=37, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                      attention_probs_dropout_prob=0.0, pad_token_id=0, **extra)  # fmt: skip
+
+
+def bert_classifier():  # hidden_states on: a tuple field, one graph output per tensor
+    return _transformers().BertForSequenceClassification(_bert_config(num_labels=3, output_hidden_states=True))
+
+
+def bert_masked_lm():  # the output embedding tied to the input embedding
+    return _transformers().BertForMaskedLM(_bert_config())
+
+
+def gpt2_lm():  # use_cache left on: past_key_values is left out of the graph
+    config = _transformers().GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0,
+                                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    return _transformers().GPT2LMHeadModel(config)
+
+
+def _text(generator):
+    """Token ids and an attention mask with the last two positions of the first row padded."""
+    input_ids = torch.randint(3, VOCAB, (BATCH, LENGTH), generator=generator)
+    attention_mask = torch.ones(BATCH, LENGTH, dtype=torch.long)
+    attention_mask[0, -2:] = 0
+    return {"input_ids": input_ids.masked_fill(attention_mask == 0, 0), "attention_mask": attention_mask}
+
+
+def classification_batch(generator):
+    return {**_text(generator), "labels": torch.randint(0, 3, (BATCH,), generator=generator)}
+
+
+def masked_lm_batch(generator):
+    """token_type_ids given too; labels -100 except at about a third of the positions."""
+    batch = _text(generator)
+    masked = torch.rand(BATCH, LENGTH, generator=generator) < 0.35
+    masked[1, 0] = True
+    return {**batch, "token_type_ids": torch.zeros(BATCH, LENGTH, dtype=torch.long),
+            "labels": batch["input_ids"].masked_fill(~masked, -100)}  # fmt: skip
+
+
+def causal_lm_batch(generator):
+    batch = _text(generator)
+    return {**batch, "labels": batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)}
+
+
+def _as_step_argument(batch, step):
+    """The batch as train_step gets it at ``step``: keywords, one dict, a tokenizer's BatchEncoding."""
+    if step == 1:
+        return (), batch
+    return ((dict(batch) if step == 2 else _transformers().BatchEncoding(batch)),), {}
+
+
+def _compare_outputs(outputs, expected, what):
+    """``outputs`` is a ModelOutput of ``expected``'s class with its tensors (past_key_values aside)."""
+    assert type(outputs) is type(expected), f"{what} returned {type(outputs).__name__}, the model {type(expected).__name__}"
+    kept = [key for key in expected.keys() if key != "past_key_values"]
+    assert list(outputs.keys()) == kept
+    for key in kept:
+        as_tuples = [value if isinstance(value, tuple) else (value,) for value in (outputs[key], expected[key])]
+        for index, (mine, torch_value) in enumerate(zip(*as_tuples)):
+            _close(mine, torch_value, f"{what} {key}[{index}]")
+
+
+@pytest.mark.parametrize(
+    "make, make_batch",
+    [(bert_classifier, classification_batch), (bert_masked_lm, masked_lm_batch), (gpt2_lm, causal_lm_batch)],
+    ids=["bert-classifier", "bert-masked-lm-tied", "gpt2-lm-tied-use-cache"],
+)
+def test_trains_like_torch_and_gives_back_the_model(tmp_path, make, make_batch):
+    """3 SGD steps equal a torch loop (loss, outputs, every state_dict key), the batch given as keywords,
+    a dict and a BatchEncoding; eval_step gives the ModelOutput with the loss; the state loads strictly;
+    sync_to_module puts the weights into the user's module, which save_pretrained writes."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    model = make()
+    untouched, reference = copy.deepcopy(model.state_dict()), copy.deepcopy(model)
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=LR), options=cpu_options())
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    for step in (1, 2, 3):
+        batch = make_batch(generator)
+        args, kwargs = _as_step_argument(batch, step)
+        outputs = trainer.train_step(*args, **kwargs)
+        expected = reference(**batch)
+        expected.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        _compare_outputs(outputs, expected, f"train_step {step}")
+        assert_close_state(trainer, reference, step=step)
+
+    reference.eval()
+    with torch.no_grad():
+        expected = reference(**batch)
+    _compare_outputs(trainer.eval_step(batch), expected, "eval_step")
+
+    fresh = make()
+    fresh.load_state_dict(trainer.state_dict(pytorch_format=True), strict=True)
+    assert all(torch.equal(tensor, untouched[name]) for name, tensor in model.state_dict().items()), "the user's model changed"
+    trainer.sync_to_module()
+    model.save_pretrained(tmp_path)
+    saved = type(model).from_pretrained(tmp_path)
+    for name, tensor in reference.state_dict().items():
+        _close(model.state_dict()[name], tensor, f"synced '{name}'")
+        _close(saved.state_dict()[name], tensor, f"saved '{name}'")
+
+
+def test_errors_name_the_key_and_the_fix():
+    torch.manual_seed(0)
+    model = gpt2_lm()
+    batch = causal_lm_batch(torch.Generator().manual_seed(1))
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=LR), options=cpu_options())
+    with pytest.raises(ValueError, match=r"batch keys \['lables'\] are not parameters of GPT2LMHeadModel.forward, which "
+                                         r"takes \['input_ids', 'past_key_values', .*'labels'.*\*\*kwargs would take"):
+        trainer.train_step(input_ids=batch["input_ids"], lables=batch["labels"])
+    with pytest.raises(ValueError, match=r"as one dict or as keyword arguments, not both"):
+        trainer.train_step(batch, labels=batch["labels"])
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel returned CausalLMOutputWithCrossAttentions without a 'loss' "
+                                         r"\(its outputs: \['logits'\]\).*put the labels in the batch"):
+        trainer.train_step(input_ids=batch["input_ids"])
+    with_loss_fn = ORTTrainer(model, None, optim.SGDConfig(lr=LR), loss_fn=lambda output, label: output.logits.mean(),
+                              options=cpu_options())  # fmt: skip
+    with pytest.raises(ValueError, match=r"computed its own 'loss' and a loss_fn is given too"):
+        with_loss_fn.train_step(input_ids=batch["input_ids"], labels=batch["labels"], label=batch["labels"])
+    with pytest.raises(RuntimeError, match=r"sync_to_module needs .* a first train_step or eval_step"):
+        trainer.sync_to_module()
+    assert trainer._runtime is None
+
+
+# ------------------------------------------------------------------ models returning dicts
+class Tagger(nn.Module):
+    """A token classifier returning a dict like a Hugging Face model: the loss when given labels,
+    the logits, a tuple of hidden states, and a None."""
+
+    def __init__(self, extra=None):
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, 16)
+        self.layer = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 3)
+        self.extra = extra
+
+    def forward(self, input_ids, attention_mask=None, labels=None, scale=2.0):
+        first = self.embedding(input_ids)
+        second = torch.tanh(self.layer(first)) * scale
+        if attention_mask is not None:
+            second = second * attention_mask.unsqueeze(-1)
+        logits = self.head(second)
+        loss = None if labels is None else F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return {"loss": loss, "logits": logits, "hidden_states": (first, second), "attentions": None, **(self.extra or {})}
+
+
+def _tagger_batch(generator):
+    return {"input_ids": torch.randint(0, VOCAB, (4, 5), generator=generator),
+            "attention_mask": torch.ones(4, 5), "labels": torch.randint(0, 3, (4, 5), generator=generator)}  # fmt: skip
+
+
+def test_dict_comes_back_as_a_dict_with_tuples_and_forward_defaults_kept():
+    """Fields in the model's order, None left out, a tuple of tensors a tuple again; a key the batch
+    leaves out keeps forward's default (scale=2); the key order does not matter (one graph)."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    model = Tagger()
+    reference = copy.deepcopy(model)
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=LR), options=cpu_options())
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    for step in (1, 2):
+        batch = _tagger_batch(generator)
+        outputs = trainer.train_step(**dict(reversed(batch.items())) if step == 2 else batch)
+        expected = reference(**batch)
+        expected["loss"].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert type(outputs) is dict and list(outputs) == ["loss", "logits", "hidden_states"]
+        assert isinstance(outputs["hidden_states"], tuple) and len(outputs["hidden_states"]) == 2
+        for name in ("loss", "logits"):
+            _close(outputs[name], expected[name], f"step {step} {name}")
+        for index in (0, 1):
+            _close(outputs["hidden_states"][index], expected["hidden_states"][index], f"step {step} hidden_states[{index}]")
+        assert_close_state(trainer, reference, step=step)
+    assert trainer._graphs.built == 1
+    assert [entry.name for entry in trainer.model_desc.outputs] == ["loss", "logits", "hidden_states.0", "hidden_states.1"]
+
+    trainer._train_step_info.fetches = ["logits", "loss"]  # the legacy fetches: a list in their order
+    logits, loss = trainer.eval_step(batch)
+    reference.eval()
+    _close(loss, reference(**batch)["loss"], "fetched loss")
+    trainer._train_step_info.fetches = []
+
+    with pytest.raises(ValueError, match=r"this batch has inputs \['input_ids', 'attention_mask'\], the first batch had "
+                                         r"\['input_ids', 'attention_mask', 'labels'\] \(missing: \['labels'\]\)"):
+        trainer.eval_step(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+
+
+def test_a_legacy_model_desc_gets_the_legacy_list():
+    torch.manual_seed(0)
+    desc = {"inputs": [("input_ids", ["batch", 5]), ("attention_mask", ["batch", 5]), ("labels", ["batch", 5])],
+            "outputs": [("loss", [], True), ("logits", ["batch", 5, 3]), ("first", ["batch", 5, 16]),
+                        ("second", ["batch", 5, 16])]}  # fmt: skip
+    trainer = ORTTrainer(Tagger(), desc, optim.SGDConfig(lr=LR), options=cpu_options())
+    outputs = trainer.train_step(_tagger_batch(torch.Generator().manual_seed(1)))
+    assert isinstance(outputs, list) and [tuple(output.shape) for output in outputs] == [(), (4, 5, 3), (4, 5, 16), (4, 5, 16)]
+
+
+class TupleTagger(Tagger):
+    """Returns a tuple, the loss first, with a cache object in it."""
+
+    def forward(self, input_ids, attention_mask=None, labels=None, scale=2.0):
+        outputs = super().forward(input_ids, attention_mask, labels, scale)
+        return outputs["loss"], outputs["logits"], object()
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [(Tagger(extra={"count": 3}), r"Tagger.forward returned 'count' as a int; the graph can only return tensors"),
+     (Tagger(extra={"hidden_states": (torch.ones(1), None)}), r"Tagger.forward returned 'hidden_states' as a tuple"),
+     (TupleTagger(), r"TupleTagger.forward returned a object as output \[2\].*config.use_cache=False")],
+    ids=["int-field", "tuple-with-none", "object-in-tuple"],
+)  # fmt: skip
+def test_an_output_that_is_not_a_tensor_is_refused_by_name(model, message):
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=LR), options=cpu_options())
+    with pytest.raises(TypeError, match=message):
+        trainer.train_step(_tagger_batch(torch.Generator().manual_seed(1)))
+
+
+class TrainingOnlyOutput(Tagger):
+    """Returns one more output in training mode than in eval mode."""
+
+    def forward(self, input_ids, attention_mask=None, labels=None, scale=2.0):
+        outputs = super().forward(input_ids, attention_mask, labels, scale)
+        return {**outputs, "auxiliary": outputs["logits"] * 2} if self.training else outputs
+
+
+def test_outputs_that_change_with_the_mode_are_refused():
+    """The graph's output names come from an eval-mode run and are given to the training-mode export by position."""
+    trainer = ORTTrainer(TrainingOnlyOutput(), None, optim.SGDConfig(lr=LR), options=cpu_options())
+    with pytest.raises(ExportError, match=r"TrainingOnlyOutput returns \[.*'auxiliary'\] in training mode but \[.*\] in eval "
+                                          r"mode or model_desc: return the same outputs in both modes"):
+        trainer.train_step(_tagger_batch(torch.Generator().manual_seed(1)))
+
+
+@pytest.mark.parametrize("by_keyword", [False, True])
+def test_first_step_check_turns_off_the_dropout_of_scaled_dot_product_attention(by_keyword):
+    """Hugging Face attention (sdpa, the default) calls F.scaled_dot_product_attention, a builtin without
+    a signature to bind; the check against torch runs it with dropout_p 0, given by position or keyword."""
+    from orttrainer.verify import _NoDropout
+
+    query, key, value = torch.randn(3, 2, 2, 5, 4).unbind(0)
+    expected = F.scaled_dot_product_attention(query, key, value, None, 0.0)
+    with _NoDropout():
+        if by_keyword:
+            output = F.scaled_dot_product_attention(query, key, value, dropout_p=0.9)
+        else:
+            output = F.scaled_dot_product_attention(query, key, value, None, 0.9)
+    torch.testing.assert_close(output, expected)

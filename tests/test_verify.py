@@ -1,0 +1,77 @@
+"""The built-in check's comparison: rounding at a kink is excused, a wrong gradient is not."""
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from models import MLP, mlp_batch
+
+from orttrainer import ORTTrainer, ORTTrainerOptions, TorchMismatchError, optim, verify
+
+
+class LinearReLU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(2, 1, bias=False)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
+def summed(output, label):
+    return (output * label).sum()
+
+
+def torch_side(x):
+    """(run_torch, weights) of LinearReLU with weights [1, 1] on the one-row batch ``x``."""
+    module = LinearReLU()
+    weights = {"fc.weight": torch.ones(1, 2)}
+    run_torch = functools.partial(verify.torch_step, module, summed, ["x"], [x, torch.ones(1, 1)],
+                                  output_names=["loss", "output"], loss_name="loss", trained=["fc.weight"])
+    return run_torch, weights
+
+
+def result(loss, output, gradient):
+    return verify.StepResult({"loss": loss, "output": output}, {"fc.weight": gradient})
+
+
+def test_a_relu_flipped_by_rounding_at_its_kink_is_excused():
+    """The pre-activation is 1.2e-7, within float32 rounding of 0: ONNX Runtime may round it below."""
+    x = torch.tensor([[1.0, -1.0 + 1.2e-7]])
+    run_torch, weights = torch_side(x)
+    reference = run_torch(weights)
+    assert reference.gradients["fc.weight"].abs().sum() > 1  # torch kept the ReLU open
+    flipped = result(torch.tensor(0.0), torch.zeros(1, 1), torch.zeros(1, 2))
+    assert verify.compare(flipped, reference, torch.float32, {}), "the plain comparison sees the flip"
+    verify.check(flipped, run_torch, weights, torch.float32, {}, "error")  # rounding explains it: no error
+
+
+@pytest.mark.parametrize("scale", [1.01, 0.0])
+def test_a_wrong_gradient_away_from_any_kink_is_not_excused(scale):
+    x = torch.tensor([[1.0, 0.5]])
+    run_torch, weights = torch_side(x)
+    reference = run_torch(weights)
+    wrong = result(reference.outputs["loss"], reference.outputs["output"], reference.gradients["fc.weight"] * scale)
+    with pytest.raises(TorchMismatchError, match=r"gradient of 'fc.weight': largest absolute difference"):
+        verify.check(wrong, run_torch, weights, torch.float32, {}, "error")
+
+
+def gradient_one_percent_off(build):
+    """ReluGrad as 1.01 * dy * (x > 0): a small, systematic error."""
+    dy, x = build.node.input[:2]
+    positive = build.op("Greater", [x, build.op("CastLike", [build.const(0.0), x])])
+    scaled = build.op("Mul", [dy, build.op("CastLike", [build.const(1.01), dy])])
+    build.op("Mul", [scaled, build.op("CastLike", [positive, dy])], build.node.output[0])
+
+
+def test_the_trainer_check_catches_a_gradient_one_percent_off(monkeypatch):
+    from orttrainer import cpu_kernels
+
+    monkeypatch.setitem(cpu_kernels.FAST_CPU_KERNELS, "ReluGrad", gradient_one_percent_off)
+    torch.manual_seed(0)
+    trainer = ORTTrainer(MLP(), None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy,
+                         options=ORTTrainerOptions({"device": {"id": "cpu"}}))
+    with pytest.raises(TorchMismatchError, match=r"gradient of 'fc1.weight'"):
+        trainer.train_step(*mlp_batch())

@@ -1,0 +1,163 @@
+"""The model zoo (tests/zoo.py) trained through the public API only, as its users train it.
+
+Each model, in one test: SGD steps over batches of two shapes (A, B, then A again) equal a
+plain torch loop from the same weights (loss and every state_dict key, buffers included);
+eval_step equals the torch module in eval mode; the trained state loads strictly into the
+user's module; and save_as_onnx (with and without the loss) runs in a plain
+onnxruntime.InferenceSession giving the module's eval outputs.
+"""
+
+import copy
+import functools
+
+import onnxruntime
+import pytest
+import torch
+import torch.nn.functional as F
+import zoo
+from parity import assert_close_state, cpu_options, run_parity
+
+from orttrainer import ORTTrainer, optim
+
+LR = 0.1
+
+
+def _batches(make, shapes):
+    """One batch per shape, then an evaluation batch of new data in the second shape."""
+    generator = torch.Generator().manual_seed(1234)
+    batches = [make(*shape, generator=generator) for shape in shapes]
+    return batches, make(*shapes[1], generator=generator)
+
+
+def _close(actual, expected, what):
+    actual = torch.as_tensor(actual)
+    torch.testing.assert_close(actual, expected.detach(), atol=1e-5, rtol=1e-5, msg=lambda m: f"{what}: {m}")
+
+
+def _onnx_session(trainer, path, with_loss):
+    if with_loss:
+        trainer.save_as_onnx(str(path))  # the legacy call
+    else:
+        trainer.save_as_onnx(str(path), with_loss=False)
+    return onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def _loads_strictly(model, trainer, reference):
+    """The trained state loads into the user's module with strict=True and equals torch's."""
+    model.load_state_dict(trainer.state_dict(pytorch_format=True), strict=True)
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], tensor, atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"'{name}' loaded into the module: {m}")  # fmt: skip
+
+
+# ------------------------------------------------------------------ models written in torch
+def _check_module(tmp_path, model, loss_fn, batches, eval_batch):
+    """Parity over ``batches``, then eval_step, strict load and both ONNX exports on ``eval_batch``."""
+    sgd = functools.partial(torch.optim.SGD, lr=LR)
+    trainer, reference = run_parity(model, batches, optim.SGDConfig(lr=LR), sgd, loss_fn=loss_fn)
+
+    *inputs, label = eval_batch
+    reference.eval()
+    with torch.no_grad():
+        expected = reference(*inputs)
+    expected_loss = loss_fn(expected, label)
+    loss, output = trainer.eval_step(*eval_batch)
+    _close(loss, expected_loss, "eval_step loss")
+    _close(output, expected, "eval_step output")
+
+    _loads_strictly(model, trainer, reference)
+
+    for with_loss, feeds, outputs in ((True, eval_batch, [expected_loss, expected]), (False, inputs, [expected])):
+        session = _onnx_session(trainer, tmp_path / f"model_{with_loss}.onnx", with_loss)
+        assert len(session.get_inputs()) == len(feeds), [i.name for i in session.get_inputs()]
+        results = session.run(None, {entry.name: tensor.numpy() for entry, tensor in zip(session.get_inputs(), feeds)})
+        assert len(results) == len(outputs)
+        for index, (result, wanted) in enumerate(zip(results, outputs)):
+            _close(result, wanted, f"ONNX (with_loss={with_loss}) output {index}")
+
+
+IMAGES = [(4,), (3,), (4,)]  # (batch,)
+
+
+@pytest.mark.parametrize(
+    "make, make_batch, shapes",
+    [
+        (zoo.ResNet, zoo.image_batch, IMAGES),
+        (zoo.MobileNetV3, zoo.image_batch, IMAGES),
+        (zoo.UNet, zoo.segmentation_batch, IMAGES),
+        (zoo.RecurrentClassifier, zoo.padded_token_batch, [(4, 7), (3, 10), (4, 7)]),  # (batch, padded length)
+    ],
+    ids=["resnet-basic-blocks-batchnorm", "mobilenet-v3-depthwise-hardswish-squeeze-excite",
+         "unet-conv-transpose-batchnorm", "lstm-over-padded-batches-of-changing-length"],
+)  # fmt: skip
+def test_torch_model(tmp_path, make, make_batch, shapes):
+    torch.manual_seed(0)
+    batches, eval_batch = _batches(make_batch, shapes)
+    _check_module(tmp_path, make(), F.cross_entropy, batches, eval_batch)
+
+
+# ------------------------------------------------------------------ Hugging Face
+def _same_type(outputs, expected, where):
+    assert type(outputs) is type(expected), f"{where} returned {type(outputs).__name__}, not {type(expected).__name__}"
+
+
+def _check_hugging_face(tmp_path, model, batches, eval_batch):
+    """The HF user's loop: ``trainer.train_step(**batch)`` with labels in the batch, the model's own
+    loss, its ModelOutput back; against ``model(**batch).loss.backward()`` and torch SGD."""
+    model.train()
+    reference = copy.deepcopy(model)
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=LR), options=cpu_options())
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    for step, batch in enumerate(batches, 1):
+        outputs = trainer.train_step(**batch)
+        expected = reference(**batch)
+        expected.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        _same_type(outputs, expected, "train_step")
+        _close(outputs.loss, expected.loss, f"loss at step {step}")
+        _close(outputs.logits, expected.logits, f"logits at step {step}")
+        assert_close_state(trainer, reference, step=step)
+
+    reference.eval()
+    with torch.no_grad():
+        expected = reference(**eval_batch)
+    outputs = trainer.eval_step(**eval_batch)
+    _same_type(outputs, expected, "eval_step")
+    for name, tensor in expected.items():
+        _close(outputs[name], tensor, f"eval_step {name}")
+
+    _loads_strictly(model, trainer, reference)
+
+    for with_loss in (True, False):
+        session = _onnx_session(trainer, tmp_path / f"model_{with_loss}.onnx", with_loss)
+        wanted = {name: tensor for name, tensor in expected.items() if with_loss or name != "loss"}
+        assert [entry.name for entry in session.get_outputs()] == list(wanted)
+        feeds = {entry.name: eval_batch[entry.name].numpy() for entry in session.get_inputs()}
+        for name, result in zip(wanted, session.run(None, feeds)):
+            _close(result, wanted[name], f"ONNX (with_loss={with_loss}) {name}")
+
+
+TEXT = [(2, 8), (3, 12), (2, 8)]  # (batch, padded length)
+
+
+@pytest.mark.parametrize(
+    "make, make_batch, shapes",
+    [
+        (zoo.bert_masked_lm, zoo.masked_lm_batch, TEXT),
+        (zoo.bert_classifier, zoo.classification_batch, TEXT),
+        (zoo.distilbert_classifier, zoo.classification_batch, TEXT),
+        (zoo.roberta_masked_lm, functools.partial(zoo.masked_lm_batch, pad=1), TEXT),
+        (zoo.gpt2_lm, zoo.causal_lm_batch, TEXT),
+        (zoo.t5_generator, zoo.seq2seq_batch, TEXT),
+        (zoo.bart_generator, functools.partial(zoo.seq2seq_batch, pad=1), TEXT),
+        (zoo.vit_classifier, zoo.vit_batch, [(2,), (3,), (2,)]),
+    ],
+    ids=["bert-masked-lm", "bert-classifier", "distilbert-classifier", "roberta-masked-lm", "gpt2-lm", "t5", "bart",
+         "vit-image-classifier"],
+)  # fmt: skip
+def test_hugging_face_model(tmp_path, make, make_batch, shapes):
+    pytest.importorskip("transformers", reason="the Hugging Face zoo needs transformers (the test extra)")
+    torch.manual_seed(0)
+    batches, eval_batch = _batches(make_batch, shapes)
+    _check_hugging_face(tmp_path, make(), batches, eval_batch)

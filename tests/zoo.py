@@ -1,0 +1,277 @@
+"""The model zoo: tiny versions of the models people train, and batches for them (tests/test_zoo.py).
+
+Convolutional and recurrent models are written here (torchvision's wheel in this
+environment is a CUDA build that does not load); the Hugging Face models are built from
+tiny configs with random weights and every dropout probability 0, so that no download is
+needed and orttrainer and torch draw no random numbers.
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB = 99
+CLASSES = 5
+
+
+# ------------------------------------------------------------------ convolutional
+def _conv_bn(inputs, outputs, kernel=3, stride=1, groups=1):
+    return nn.Sequential(
+        nn.Conv2d(inputs, outputs, kernel, stride, padding=kernel // 2, groups=groups, bias=False),
+        nn.BatchNorm2d(outputs),
+    )
+
+
+class BasicBlock(nn.Module):
+    """ResNet's basic block: two 3x3 conv + BatchNorm, the shortcut projected when the shape changes."""
+
+    def __init__(self, inputs, outputs, stride=1):
+        super().__init__()
+        self.conv1 = _conv_bn(inputs, outputs, stride=stride)
+        self.conv2 = _conv_bn(outputs, outputs)
+        reshapes = stride != 1 or inputs != outputs
+        self.shortcut = _conv_bn(inputs, outputs, kernel=1, stride=stride) if reshapes else nn.Identity()
+
+    def forward(self, x):
+        return F.relu(self.conv2(F.relu(self.conv1(x))) + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    """A ResNet with basic blocks in 2 stages (widths 8 and 16) on 3x16x16 images."""
+
+    def __init__(self, classes=CLASSES):
+        super().__init__()
+        self.stem = nn.Sequential(_conv_bn(3, 8), nn.ReLU())
+        self.stage1 = nn.Sequential(BasicBlock(8, 8), BasicBlock(8, 8))
+        self.stage2 = nn.Sequential(BasicBlock(8, 16, stride=2), BasicBlock(16, 16))
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(16, classes)
+
+    def forward(self, images):
+        return self.fc(self.pool(self.stage2(self.stage1(self.stem(images)))).flatten(1))
+
+
+class SqueezeExcite(nn.Module):
+    """Channel attention as in MobileNetV3: global average, 1x1 conv down and up, hard sigmoid."""
+
+    def __init__(self, channels, squeezed):
+        super().__init__()
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.down = nn.Conv2d(channels, squeezed, 1)
+        self.up = nn.Conv2d(squeezed, channels, 1)
+
+    def forward(self, x):
+        return x * F.hardsigmoid(self.up(F.relu(self.down(self.pool(x)))))
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV3's block: 1x1 expansion, depthwise 3x3, squeeze-excitation, 1x1 projection."""
+
+    def __init__(self, inputs, expanded, outputs, stride):
+        super().__init__()
+        self.expand = nn.Sequential(_conv_bn(inputs, expanded, kernel=1), nn.Hardswish())
+        self.depthwise = nn.Sequential(_conv_bn(expanded, expanded, stride=stride, groups=expanded), nn.Hardswish())
+        self.excite = SqueezeExcite(expanded, expanded // 4)
+        self.project = _conv_bn(expanded, outputs, kernel=1)
+        self.residual = stride == 1 and inputs == outputs
+
+    def forward(self, x):
+        y = self.project(self.excite(self.depthwise(self.expand(x))))
+        return x + y if self.residual else y
+
+
+class MobileNetV3(nn.Module):
+    """A MobileNetV3-style net on 3x16x16 images: hardswish stem, inverted residuals with
+    squeeze-excitation, 1x1 head conv, pooled classifier with hardswish."""
+
+    def __init__(self, classes=CLASSES):
+        super().__init__()
+        self.stem = nn.Sequential(_conv_bn(3, 8, stride=2), nn.Hardswish())
+        self.blocks = nn.Sequential(InvertedResidual(8, 16, 8, stride=1), InvertedResidual(8, 24, 12, stride=2))
+        self.head = nn.Sequential(_conv_bn(12, 32, kernel=1), nn.Hardswish(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.classifier = nn.Sequential(nn.Linear(32, 24), nn.Hardswish(), nn.Linear(24, classes))
+
+    def forward(self, images):
+        return self.classifier(self.head(self.blocks(self.stem(images))))
+
+
+class UNet(nn.Module):
+    """A two-level U-Net for per-pixel classes: strided-conv down, ConvTranspose2d (stride 2) up,
+    skip connection by concatenation, BatchNorm throughout."""
+
+    def __init__(self, classes=CLASSES):
+        super().__init__()
+        self.encode = nn.Sequential(_conv_bn(3, 8), nn.ReLU())
+        self.down = nn.Sequential(_conv_bn(8, 16, stride=2), nn.ReLU(), _conv_bn(16, 16), nn.ReLU())
+        self.up = nn.ConvTranspose2d(16, 8, kernel_size=2, stride=2)
+        self.decode = nn.Sequential(_conv_bn(16, 8), nn.ReLU())
+        self.head = nn.Conv2d(8, classes, 1)
+
+    def forward(self, images):
+        skip = self.encode(images)
+        return self.head(self.decode(torch.cat([self.up(self.down(skip)), skip], dim=1)))
+
+
+# ------------------------------------------------------------------ recurrent
+class RecurrentClassifier(nn.Module):
+    """Embedding (padding_idx 0) + LSTM over right-padded token sequences; the class scores come
+    from the LSTM output at each sequence's last real token (``lengths - 1``)."""
+
+    def __init__(self, classes=CLASSES, width=16, hidden=24):
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, width, padding_idx=0)
+        self.lstm = nn.LSTM(width, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, tokens, lengths):
+        states, _ = self.lstm(self.tokens(tokens))
+        return self.head(states[torch.arange(tokens.shape[0]), lengths - 1])
+
+
+# ------------------------------------------------------------------ batches
+def image_batch(batch, size=16, generator=None):
+    """(images [batch, 3, size, size], class per image)."""
+    images = torch.randn(batch, 3, size, size, generator=generator)
+    return images, torch.randint(0, CLASSES, (batch,), generator=generator)
+
+
+def segmentation_batch(batch, size=16, generator=None):
+    """(images [batch, 3, size, size], class per pixel [batch, size, size])."""
+    images = torch.randn(batch, 3, size, size, generator=generator)
+    return images, torch.randint(0, CLASSES, (batch, size, size), generator=generator)
+
+
+def _lengths(batch, longest, generator):
+    """Sequence lengths in 2..longest, one of them ``longest`` (the padded width of the batch)."""
+    lengths = torch.randint(2, longest + 1, (batch,), generator=generator)
+    lengths[torch.randint(0, batch, (1,), generator=generator)] = longest
+    return lengths
+
+
+def _padded_tokens(lengths, pad, generator):
+    """Token ids in 3..VOCAB-1 (0-2 are special), ``pad`` after each length; and the attention mask."""
+    longest = int(lengths.max())
+    mask = (torch.arange(longest) < lengths[:, None]).long()
+    tokens = torch.randint(3, VOCAB, (len(lengths), longest), generator=generator)
+    return tokens.masked_fill(mask == 0, pad), mask
+
+
+def padded_token_batch(batch, longest, generator=None):
+    """(tokens padded with 0 to ``longest``, lengths, class per sequence) for RecurrentClassifier."""
+    lengths = _lengths(batch, longest, generator)
+    tokens, _ = _padded_tokens(lengths, 0, generator)
+    return tokens, lengths, torch.randint(0, CLASSES, (batch,), generator=generator)
+
+
+# ------------------------------------------------------------------ Hugging Face
+def _text_batch(batch, longest, pad, generator):
+    lengths = _lengths(batch, longest, generator)
+    input_ids, attention_mask = _padded_tokens(lengths, pad, generator)
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def masked_lm_batch(batch, longest, pad=0, generator=None):
+    """Tokens, attention mask, and labels -100 (ignored) except at ~30% of the real tokens."""
+    inputs = _text_batch(batch, longest, pad, generator)
+    chosen = (torch.rand(inputs["input_ids"].shape, generator=generator) < 0.3) & (inputs["attention_mask"] == 1)
+    chosen[:, 0] = True  # at least one label per sequence
+    labels = inputs["input_ids"].masked_fill(~chosen, -100)
+    return {**inputs, "input_ids": inputs["input_ids"].masked_fill(chosen, 4), "labels": labels}  # 4 stands for [MASK]
+
+
+def causal_lm_batch(batch, longest, pad=0, generator=None):
+    """Tokens, attention mask, and the tokens as labels (-100 on padding; the model shifts them)."""
+    inputs = _text_batch(batch, longest, pad, generator)
+    return {**inputs, "labels": inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)}
+
+
+def classification_batch(batch, longest, pad=0, generator=None, classes=3):
+    inputs = _text_batch(batch, longest, pad, generator)
+    return {**inputs, "labels": torch.randint(0, classes, (batch,), generator=generator)}
+
+
+def seq2seq_batch(batch, longest, pad=0, generator=None):
+    """Source tokens and mask, target labels (-100 on padding) of a different length; the model
+    builds decoder_input_ids by shifting the labels, as when a user passes only labels."""
+    inputs = _text_batch(batch, longest, pad, generator)
+    target = causal_lm_batch(batch, longest - 2, pad, generator)["labels"]
+    return {**inputs, "labels": target}
+
+
+def vit_batch(batch, size=16, generator=None, classes=3):
+    images = torch.randn(batch, 3, size, size, generator=generator)
+    return {"pixel_values": images, "labels": torch.randint(0, classes, (batch,), generator=generator)}
+
+
+_ENCODER = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "intermediate_size": 37, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}  # fmt: skip
+
+
+def bert_masked_lm():
+    import transformers
+
+    config = transformers.BertConfig(**_ENCODER, max_position_embeddings=64, pad_token_id=0)
+    return transformers.BertForMaskedLM(config)
+
+
+def bert_classifier():
+    import transformers
+
+    config = transformers.BertConfig(**_ENCODER, max_position_embeddings=64, pad_token_id=0, num_labels=3)
+    return transformers.BertForSequenceClassification(config)
+
+
+def roberta_masked_lm():
+    import transformers
+
+    config = transformers.RobertaConfig(**_ENCODER, max_position_embeddings=66, pad_token_id=1, bos_token_id=0,
+                                        eos_token_id=2)  # fmt: skip
+    return transformers.RobertaForMaskedLM(config)
+
+
+def distilbert_classifier():
+    import transformers
+
+    config = transformers.DistilBertConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=2, hidden_dim=37, dropout=0.0,
+                                           attention_dropout=0.0, seq_classif_dropout=0.0, max_position_embeddings=64,
+                                           pad_token_id=0, num_labels=3)  # fmt: skip
+    return transformers.DistilBertForSequenceClassification(config)
+
+
+def gpt2_lm():
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=1, eos_token_id=2,
+                                     pad_token_id=0)  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def t5_generator():
+    import transformers
+
+    config = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=37, num_layers=2, num_decoder_layers=2,
+                                   num_heads=2, relative_attention_num_buckets=8, relative_attention_max_distance=20,
+                                   dropout_rate=0.0, use_cache=False, pad_token_id=0, eos_token_id=1,
+                                   decoder_start_token_id=0)  # fmt: skip
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def bart_generator():
+    import transformers
+
+    config = transformers.BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+                                     encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=37,
+                                     decoder_ffn_dim=37, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                                     max_position_embeddings=64, use_cache=False, pad_token_id=1, bos_token_id=0,
+                                     eos_token_id=2, decoder_start_token_id=2)  # fmt: skip
+    return transformers.BartForConditionalGeneration(config)
+
+
+def vit_classifier():
+    import transformers
+
+    config = transformers.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                                    num_attention_heads=2, intermediate_size=37, hidden_dropout_prob=0.0,
+                                    attention_probs_dropout_prob=0.0, num_labels=3)  # fmt: skip
+    return transformers.ViTForImageClassification(config)
