@@ -16,7 +16,6 @@ the torch state that is not in the graph, and the checks every batch must pass.
 """
 
 import copy
-import inspect
 from dataclasses import dataclass
 
 import onnx
@@ -25,7 +24,7 @@ import torch
 from onnx import numpy_helper
 
 from . import export, graph, session
-from .model_desc import _ORTTrainerModelDesc, infer_model_desc
+from .model_desc import _ORTTrainerModelDesc, forward_parameters, infer_model_desc
 
 
 class Runtime:
@@ -267,7 +266,7 @@ def _forward_names(module, input_names, loss_fn) -> list:
     """The inputs that go to ``forward`` (all but the label); each must be one of its parameters."""
     label_count = 1 if loss_fn is not None else 0
     forward_names = input_names[: len(input_names) - label_count]
-    signature = inspect.signature(module.forward).parameters
+    signature = forward_parameters(module)
     not_in_forward = [name for name in forward_names if name not in signature]
     if not_in_forward:
         raise ValueError(f"inputs {not_in_forward} are not parameters of {type(module).__name__}.forward{tuple(signature)}")

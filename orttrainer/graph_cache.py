@@ -13,8 +13,10 @@ shapes keep changing.
 
 A trace that froze values of its batch (``export._FROZEN_VALUE``: a tensor turned into a Python
 number or bool) is right when those values come from shapes or constants, wrong when they come
-from the data: the first batch of the signature with other values is exported once more and must
-give the same graph (``export.refuse_data_dependent_trace``).
+from the data. The export refuses a value it traces back to the data or the weights
+(``export._ValuesTurnedPython``); for the others (an iteration over a tensor, a ``torch.tensor``
+made in forward) the first batch of the signature with other values is exported once more and
+must give the same graph (``export.refuse_data_dependent_trace``).
 """
 
 import collections
