@@ -212,10 +212,17 @@ def gemm_ceiling_gflops(size=1024, repeats=20):
     return 2 * size**3 * repeats / (time.perf_counter() - start) / 1e9
 
 
-def step_gflop(workload):
-    """FLOPs of one forward + backward, counted by torch on the eager model."""
+def step_gflop(workload_index, quick):
+    """FLOPs of one forward + backward, counted by torch on the eager model, in a process of its own:
+    a spawned worker starts with the peak RSS of its parent, so the parent must stay small."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_step_gflop, (workload_index, quick))
+
+
+def _step_gflop(workload_index, quick):
     from torch.utils.flop_counter import FlopCounterMode
 
+    workload = _workloads(quick)[workload_index]
     torch.manual_seed(0)
     model = workload.make_model()
     batch = workload.make_batch(torch.Generator().manual_seed(0))
@@ -351,7 +358,7 @@ def main():
                 continue
             print(f"{variant}: {workload.name} ...", flush=True)
             results = measure(index, workload, rounds, steps, warmup, args.quick, env)
-            report["variants"][variant][workload.name] = summarize(results, step_gflop(workload))
+            report["variants"][variant][workload.name] = summarize(results, step_gflop(index, args.quick))
     table = markdown(report)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)

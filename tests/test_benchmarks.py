@@ -23,7 +23,7 @@ bench.CONTENDERS = ["torch eager", "orttrainer"]
 index, workload = 0, bench._workloads(quick=True)[0]
 results = bench.measure(index, workload, rounds=1, steps=2, warmup=1, quick=True, env={})
 report = {"date": "smoke", "machine": "smoke", "threads": 1, "gemm_gflops": bench.gemm_ceiling_gflops(256, 2),
-          "variants": {"default malloc": {workload.name: bench.summarize(results, bench.step_gflop(workload))}}}
+          "variants": {"default malloc": {workload.name: bench.summarize(results, bench.step_gflop(index, True))}}}
 table = bench.markdown(report)
 print(json.dumps({"report": report, "table": table}))
 """
