@@ -21,23 +21,30 @@ def trained(model, loss_fn, batch, steps=3, options=None):
     return trainer
 
 
+@pytest.mark.parametrize("with_loss", [True, False], ids=["legacy-with-loss", "forward-only"])
 @pytest.mark.parametrize("make, loss_fn, make_batch", [(CNN, F.cross_entropy, cnn_batch), (lambda: Encoder(dropout=0.1), lm_loss, token_batch)])
-def test_save_as_onnx_runs_in_plain_inference_session_like_torch_eval(tmp_path, make, loss_fn, make_batch):
+def test_save_as_onnx_runs_in_plain_inference_session_like_torch_eval(tmp_path, make, loss_fn, make_batch, with_loss):
+    """with_loss=True (legacy): the label is an input and the loss the first output; with_loss=False:
+    the model's own inputs and outputs only."""
     torch.manual_seed(0)
     model = make()
     batch = make_batch()
     trainer = trained(model, loss_fn, batch)
     path = tmp_path / "model.onnx"
-    trainer.save_as_onnx(str(path))
+    trainer.save_as_onnx(str(path), with_loss=with_loss)
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    feeds = {graph_input.name: tensor.numpy() for graph_input, tensor in zip(session.get_inputs(), batch)}
-    loss, output = session.run(None, feeds)
     reference = copy.deepcopy(model).eval()
     reference.load_state_dict(trainer.state_dict(pytorch_format=True))
     with torch.no_grad():
         expected = reference(batch[0])
+    if with_loss:
+        feeds = {graph_input.name: tensor.numpy() for graph_input, tensor in zip(session.get_inputs(), batch)}
+        loss, output = session.run(None, feeds)
+        np.testing.assert_allclose(loss, loss_fn(expected, batch[1]).item(), atol=1e-5, rtol=1e-5)
+    else:
+        assert [i.name for i in session.get_inputs()] == [trainer.model_desc.inputs[0].name]
+        (output,) = session.run(None, {session.get_inputs()[0].name: batch[0].numpy()})
     np.testing.assert_allclose(output, expected.numpy(), atol=1e-5, rtol=1e-4)
-    np.testing.assert_allclose(loss, loss_fn(expected, batch[1]).item(), atol=1e-5, rtol=1e-5)
     assert onnx.load(str(path)).ir_version <= 10
 
 
@@ -46,23 +53,6 @@ def test_save_as_onnx_before_initialization_says_what_to_do_and_writes_nothing(t
     with pytest.raises(RuntimeError, match=r"run one \(e.g. trainer.eval_step\(\*batch\) right after load_checkpoint\)"):
         trainer.save_as_onnx(str(tmp_path / "model.onnx"))
     assert not (tmp_path / "model.onnx").exists()
-
-
-@pytest.mark.parametrize("make, loss_fn, make_batch", [(CNN, F.cross_entropy, cnn_batch), (lambda: Encoder(dropout=0.1), lm_loss, token_batch)])
-def test_forward_only_onnx_takes_the_models_inputs_and_gives_its_outputs(tmp_path, make, loss_fn, make_batch):
-    torch.manual_seed(0)
-    model = make()
-    batch = make_batch()
-    trainer = trained(model, loss_fn, batch)
-    path = tmp_path / "model.onnx"
-    trainer.save_as_onnx(str(path), with_loss=False)
-    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    assert [i.name for i in session.get_inputs()] == [trainer.model_desc.inputs[0].name]
-    (output,) = session.run(None, {session.get_inputs()[0].name: batch[0].numpy()})
-    reference = copy.deepcopy(model).eval()
-    reference.load_state_dict(trainer.state_dict(pytorch_format=True))
-    with torch.no_grad():
-        np.testing.assert_allclose(output, reference(batch[0]).numpy(), atol=1e-5, rtol=1e-4)
 
 
 def test_check_model_export_passes_for_a_faithful_export():
