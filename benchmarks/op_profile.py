@@ -2,7 +2,8 @@
 
     python benchmarks/op_profile.py --workload resnet [--steps 10] [--top 25]
 
-ONNX Runtime: session profiling of the training graph's run (node kernel times, summed per op
+ONNX Runtime: session profiling of the training graph's run, every convolution on ONNX Runtime
+(utils.convolution_kernels "onnxruntime": one session to profile) (node kernel times, summed per op
 type, median over steps). torch: the autograd profiler's self CPU time per aten op over the
 same steps (forward, backward and the AdamW step). Both train the same model on the same batches.
 """
@@ -35,7 +36,8 @@ def onnxruntime_ops(workload, steps, match=""):
     options.enable_profiling = True
     options.profile_file_prefix = os.path.join(tempfile.mkdtemp(), "train")
     trainer = ORTTrainer(workload.make_model(), None, optim.AdamConfig(lr=1e-4, lambda_coef=0.01), loss_fn=workload.loss_fn,
-                         options=ORTTrainerOptions({"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False},
+                         options=ORTTrainerOptions({"device": {"id": "cpu"},
+                                                    "utils": {"grad_norm_clip": False, "convolution_kernels": "onnxruntime"},
                                                     "session_options": options}))  # fmt: skip
     batches = _batches(workload)
     for step in range(steps + 2):

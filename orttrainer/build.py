@@ -23,7 +23,7 @@ import onnxruntime
 import torch
 from onnx import numpy_helper
 
-from . import export, graph, session
+from . import export, graph, session, torch_convolutions
 from .model_desc import _ORTTrainerModelDesc, forward_parameters, infer_model_desc
 
 
@@ -407,19 +407,40 @@ def _build(onnx_model, model_desc, weights, trainable, options, device, provider
 
 
 def _open_sessions(graphs, device, providers, options, one_thread: bool):
-    """(training session, eval session); a training graph ONNX Runtime has no kernel for is named."""
+    """(training session, eval session); a training graph ONNX Runtime has no kernel for is named.
+
+    On the CPU, a graph with convolutions runs them on torch's kernels (``utils.convolution_kernels``,
+    torch_convolutions.py); the segments between them run on one thread, where ONNX Runtime's
+    second thread would only contend with torch's (benchmarks/NOTES.md §18).
+    """
     debug = options.debug
-    session_options = session.session_options(
+    all_threads = session.session_options(
         options.session_options,
         debug.deterministic_compute,
         debug.graph_save_paths.model_with_training_graph_after_optimization_path,
         threads=1 if one_thread else None,
     )
+    # the user's session_options, when given, serve every session as they are
+    one_thread_only = all_threads if options.session_options is not None or one_thread else session.session_options(
+        None, debug.deterministic_compute, threads=1
+    )
+
+    def open_session(model, convolutions=True):
+        return session.TorchBoundSession(model, device, providers, all_threads if convolutions else one_thread_only)
+
+    # mixed precision: float16 convolutions, which torch's CPU kernels do not serve well
+    on_torch = options.utils.convolution_kernels == "torch" and device.type == "cpu" and not options.mixed_precision.enabled
+    on_torch = on_torch and not debug.graph_save_paths.model_with_training_graph_after_optimization_path  # one graph to save
+
+    def open_graph(model):
+        if on_torch and torch_convolutions.can_split(model):
+            return torch_convolutions.ConvolutionSplitSession(model, open_session)
+        return open_session(model)
+
     try:
-        train_session = session.TorchBoundSession(graphs.train, device, providers, session_options)
+        return open_graph(graphs.train), open_graph(graphs.eval)
     except onnxruntime.capi.onnxruntime_pybind11_state.NotImplemented as error:
         raise graph.missing_kernel_error(error, device) from error
-    return train_session, session.TorchBoundSession(graphs.eval, device, providers, session_options)
 
 
 def _record_input_types(model_desc, eval_model) -> None:

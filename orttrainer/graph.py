@@ -168,6 +168,34 @@ def move_weights_to_inputs(model: onnx.ModelProto, weight_names) -> None:
     model.graph.initializer.extend(kept)
 
 
+def drop_zero_dropouts(model: onnx.ModelProto) -> int:
+    """Turn, in place, every Dropout with a constant ratio of 0 into an Identity; return how many.
+
+    torch's dropout with p=0 returns its input unchanged, and models keep such modules
+    (transformers' configs with dropout 0, ``nn.TransformerEncoderLayer(dropout=0.0)``); ONNX
+    Runtime would still run a Dropout and a DropoutGrad over the whole activation for each.
+    A Dropout whose mask is read is left as it is.
+    """
+    constants = {init.name: numpy_helper.to_array(init) for init in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            constants[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+    read = {name for node in model.graph.node for name in node.input} | {output.name for output in model.graph.output}
+    dropped = 0
+    for node in model.graph.node:
+        if node.op_type != "Dropout" or len(node.input) < 2 or node.input[1] not in constants:
+            continue
+        if np.any(constants[node.input[1]] != 0) or (len(node.output) > 1 and node.output[1] in read):
+            continue
+        node.op_type = "Identity"
+        del node.input[1:]
+        del node.output[1:]
+        del node.attribute[:]
+        dropped += 1
+    _remove_unused(model.graph)
+    return dropped
+
+
 def set_inference_mode(model: onnx.ModelProto) -> None:
     """Dropout off and BatchNormalization on running statistics (the eval graph)."""
     for node in model.graph.node:
@@ -597,6 +625,7 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     name_unnamed_nodes(model.graph)
     drop_trailing_empty_inputs(model.graph)
     move_weights_to_inputs(model, list(trainable) + list(frozen))
+    drop_zero_dropouts(model)
     eval_model = copy.deepcopy(model)
     set_inference_mode(eval_model)
     if mixed_precision:

@@ -56,6 +56,14 @@ def torch_dtype(onnx_elem_type: int) -> torch.dtype:
     return _TORCH_DTYPES_BY_ONNX[onnx_elem_type]
 
 
+def onnx_elem_type(dtype: torch.dtype) -> int:
+    """The ONNX tensor element type of a torch dtype."""
+    for elem_type, torch_type in _TORCH_DTYPES_BY_ONNX.items():
+        if torch_type == dtype:
+            return elem_type
+    raise TypeError(f"torch dtype {dtype} has no ONNX element type here")
+
+
 def resolve_device(device_id: str) -> torch.device:
     """``device.id`` -> torch.device, refusing devices this machine does not have."""
     try:
@@ -233,6 +241,7 @@ class TorchBoundSession:
         self._run_options = run_options()
         self.input_names = {graph_input.name for graph_input in self.session.get_inputs()}
         self.output_names = [output.name for output in self.session.get_outputs()]
+        self._bool_outputs = {output.name for output in self.session.get_outputs() if output.type == "tensor(bool)"}
         self._binding = self.session.io_binding()
         self._device_type, self._device_index = _ort_device(device)
         self._allocated_outputs = []
@@ -266,7 +275,12 @@ class TorchBoundSession:
             self._wait_for_torch()
         self.session.run_with_iobinding(self._binding, self._run_options)
         values = self._binding._iobinding.get_outputs()  # raw OrtValues: no Python wrapper per output
-        return [from_dlpack(values[self._output_positions[name]].to_dlpack()) for name in self._allocated_outputs]
+        return [self._as_torch(name, values[self._output_positions[name]]) for name in self._allocated_outputs]
+
+    def _as_torch(self, name, value) -> torch.Tensor:
+        tensor = from_dlpack(value.to_dlpack())
+        # ONNX Runtime hands bool tensors over DLPack as uint8
+        return tensor.view(torch.bool) if name in self._bool_outputs and tensor.dtype == torch.uint8 else tensor
 
     def _wait_for_torch(self):
         """Start the run after the work torch has queued on its current stream.

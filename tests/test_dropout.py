@@ -108,3 +108,36 @@ def test_transformer_dropout_trains_and_eval_matches_torch_eval():
     reference.load_state_dict(trainer.state_dict(pytorch_format=True))
     with torch.no_grad():
         torch.testing.assert_close(trainer.eval_step(tokens, labels)[1], reference(tokens), atol=1e-5, rtol=1e-4)
+
+
+def test_dropout_with_p_zero_leaves_no_dropout_node_and_trains_like_torch(tmp_path):
+    """torch's dropout(p=0) is the identity: the graph keeps no Dropout/DropoutGrad for it, other ratios stay."""
+    import functools
+
+    import onnx
+    from parity import run_parity
+
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = Encoder(dropout=0.0)
+            self.last = nn.Dropout(0.3)
+
+        def forward(self, tokens):
+            return self.last(self.encoder(tokens))
+
+    torch.manual_seed(0)
+    path = tmp_path / "train.onnx"
+    options = cpu_options({"debug": {"graph_save_paths": {"model_with_training_graph_path": str(path)}}})
+    model = Mixed()
+    model.last.p = 0.0  # parity needs every dropout off; the ratio-0.3 case is checked on a second export below
+    batches = [token_batch(generator=torch.Generator().manual_seed(seed)) for seed in range(2)]
+    run_parity(model, batches, optim.SGDConfig(lr=0.1), functools.partial(torch.optim.SGD, lr=0.1), loss_fn=lm_loss,
+               options=options)  # fmt: skip
+    assert not [node for node in onnx.load(path).graph.node if "Dropout" in node.op_type]
+
+    model.last.p = 0.3
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=lm_loss, options=options)
+    trainer.train_step(*batches[0])
+    kinds = sorted(node.op_type for node in onnx.load(path).graph.node if "Dropout" in node.op_type)
+    assert kinds == ["Dropout", "DropoutGrad"]

@@ -58,11 +58,18 @@ def test_session_options_turn_spinning_off_and_match_torch_threads():
     assert options.use_deterministic_compute is True
 
 
-def _session_threads(model, images, session_options=None):
-    options = {"device": {"id": "cpu"}} | ({"session_options": session_options} if session_options else {})
+def _session_threads(model, images, session_options=None, convolution_kernels="onnxruntime"):
+    """Intra-op threads of the training and eval sessions (of every segment, when the convolutions run on torch)."""
+    options = {"device": {"id": "cpu"}, "utils": {"convolution_kernels": convolution_kernels}}
+    options |= {"session_options": session_options} if session_options else {}
     trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=ORTTrainerOptions(options))
     trainer.train_step(images, torch.zeros(len(images), dtype=torch.int64))
-    return [bound.session.get_session_options().intra_op_num_threads for bound in (trainer._train_session, trainer._eval_session)]
+    trainer.eval_step(images, torch.zeros(len(images), dtype=torch.int64))
+    sessions = (trainer._train_session, trainer._eval_session)
+    if convolution_kernels == "torch":
+        return [[step.session.session.get_session_options().intra_op_num_threads for step in bound._steps
+                 if hasattr(step, "session")] for bound in sessions]  # fmt: skip
+    return [bound.session.get_session_options().intra_op_num_threads for bound in sessions]
 
 
 def _cnn(channels, width):
@@ -84,8 +91,17 @@ def test_graphs_of_small_convolutions_run_on_one_thread_others_on_torchs():
     assert _session_threads(mlp, torch.randn(4, 64)) == [torch.get_num_threads()] * 2
 
 
+def test_segments_between_torch_convolutions_run_on_one_thread():
+    """Next to torch's OpenMP threads, a second ONNX Runtime thread only contends (benchmarks/NOTES.md §18)."""
+    train, evaluation = _session_threads(_cnn((3, 32, 64), 32), torch.randn(4, 3, 32, 32), convolution_kernels="torch")
+    assert len(train) >= 3 and len(evaluation) >= 2
+    assert set(train) == set(evaluation) == {1}
+
+
 def test_threads_set_by_the_user_are_kept():
     user = onnxruntime.SessionOptions()
     user.intra_op_num_threads = 2
     assert _session_threads(_cnn((1, 6, 16), 28), torch.randn(4, 1, 28, 28), user) == [2, 2]
+    segments = _session_threads(_cnn((1, 6, 16), 28), torch.randn(4, 1, 28, 28), user, convolution_kernels="torch")
+    assert {threads for graph in segments for threads in graph} == {2}
     assert session_options(threads=1).intra_op_num_threads == 1

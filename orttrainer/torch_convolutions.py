@@ -1,0 +1,302 @@
+"""Run a CPU graph's convolutions with torch's kernels and everything else with ONNX Runtime.
+
+onnxruntime-training 1.19's CPU ``Conv`` and ``ConvGrad`` kernels (im2col + GEMM) take longer
+than torch's whole step on a ResNet; torch's oneDNN kernels do the same work several times
+faster (benchmarks/NOTES.md §15, §18). :class:`ConvolutionSplitSession` cuts the graph at its
+``Conv`` and ``ConvGrad`` nodes: torch runs those (``aten::convolution`` and
+``aten::convolution_backward``, with the arguments torch's own ``nn.Conv*d`` and autograd pass),
+and the nodes between them run as ONNX Runtime sessions of their own (segments). Tensors cross
+a boundary without copies: a segment's outputs come back by DLPack, its inputs are bound by
+pointer. Nodes are scheduled so that every convolution ready at a point runs in the same gap
+between two segments, which keeps the number of segments near the depth of the network.
+
+The split session has :class:`~orttrainer.session.TorchBoundSession`'s interface, so the
+trainer does not know which one it runs.
+"""
+
+import heapq
+
+import onnx
+import torch
+from onnx import helper, numpy_helper
+
+from . import session
+
+TORCH_OPS = ("Conv", "ConvGrad")
+_HALF_TYPES = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+
+
+class _Convolution:
+    """A ``Conv`` or ``ConvGrad`` node as torch's call: the arguments torch's ``nn.Conv*d`` would pass.
+
+    Padding that differs between the two ends of a dimension (``padding="same"`` with an even
+    kernel, exported as ``auto_pad`` SAME_UPPER) is, as in torch's ``nn.Conv*d``, a zero-padded
+    copy of the input for the difference.
+    """
+
+    def __init__(self, node: onnx.NodeProto):
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        self.kernel = list(attributes["kernel_shape"])
+        dims = len(self.kernel)
+        self.node = node
+        self.auto_pad = attributes.get("auto_pad", b"NOTSET")
+        self.auto_pad = self.auto_pad.decode() if isinstance(self.auto_pad, bytes) else self.auto_pad
+        self.pads = list(attributes.get("pads", [0] * 2 * dims))
+        self.stride = list(attributes.get("strides", [1] * dims))
+        self.dilation = list(attributes.get("dilations", [1] * dims))
+        self.groups = attributes.get("group", 1)
+        self.inputs = list(node.input)
+        self.outputs = list(node.output)
+
+    def _padding(self, x: torch.Tensor):
+        """(padding on both ends for torch's call, extra padding at (begin, end) of each spatial dimension)."""
+        if self.auto_pad in ("SAME_UPPER", "SAME_LOWER"):  # ONNX: output size ceil(input / stride)
+            begin, end = [], []
+            for size, kernel, stride, dilation in zip(x.shape[2:], self.kernel, self.stride, self.dilation):
+                total = max(((size + stride - 1) // stride - 1) * stride + (kernel - 1) * dilation + 1 - size, 0)
+                small, large = total // 2, total - total // 2
+                begin.append(small if self.auto_pad == "SAME_UPPER" else large)
+                end.append(total - begin[-1])
+        elif self.auto_pad == "VALID":
+            begin = end = [0] * len(self.kernel)
+        else:
+            begin, end = self.pads[: len(self.kernel)], self.pads[len(self.kernel) :]
+        both = [min(first, last) for first, last in zip(begin, end)]
+        return both, [(first - common, last - common) for first, last, common in zip(begin, end, both)]
+
+    @staticmethod
+    def _padded(x: torch.Tensor, extra) -> torch.Tensor:
+        if not any(size for ends in extra for size in ends):
+            return x
+        return torch.nn.functional.pad(x, [size for ends in reversed(extra) for size in ends])  # last dimension first
+
+    def run(self, values: dict) -> dict:
+        x = values[self.inputs[0 if self.node.op_type == "Conv" else 1]]
+        padding, extra = self._padding(x)
+        no_output_padding = [0] * len(self.kernel)
+        if self.node.op_type == "Conv":
+            w = values[self.inputs[1]]
+            bias = values[self.inputs[2]] if len(self.inputs) > 2 and self.inputs[2] else None
+            y = torch.convolution(self._padded(x, extra), w, bias, self.stride, padding, self.dilation, False, no_output_padding,
+                                  self.groups)  # fmt: skip
+            return {self.outputs[0]: y}
+        dy, w = values[self.inputs[0]], values[self.inputs[2]]
+        wanted = [index < len(self.outputs) and bool(self.outputs[index]) for index in range(3)]
+        dx, dw, db = torch.ops.aten.convolution_backward(
+            dy, self._padded(x, extra), w, [w.shape[0]] if wanted[2] else None, self.stride, padding, self.dilation, False,
+            no_output_padding, self.groups, wanted,
+        )  # fmt: skip
+        if wanted[0] and dx.shape != x.shape:  # the gradient of the padded copy, cropped to the input
+            for dim, (begin, _) in enumerate(extra, start=2):
+                dx = dx.narrow(dim, begin, x.shape[dim])
+            dx = dx.contiguous()
+        return {name: gradient for name, gradient, needed in zip(self.outputs, (dx, dw, db), wanted) if needed}
+
+
+def torch_can_run(node: onnx.NodeProto) -> bool:
+    """A convolution torch's call computes as ONNX defines it (every Conv the exporter writes)."""
+    if node.op_type not in TORCH_OPS or node.domain not in ("", "ai.onnx", "com.microsoft"):
+        return False
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    auto_pad = attributes.get("auto_pad", b"NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    known = auto_pad in ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID")
+    return known and "kernel_shape" in attributes and min(attributes.get("pads", [0])) >= 0
+
+
+def can_split(model: onnx.ModelProto) -> bool:
+    """Whether ``model`` has convolutions torch can take and nothing the split cannot cut (subgraphs,
+    graph outputs that no node computes)."""
+    nodes = model.graph.node
+    if not any(torch_can_run(node) for node in nodes):
+        return False
+    if any(attribute.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in nodes for attribute in n.attribute):
+        return False
+    if any(graph_input.type.tensor_type.elem_type in _HALF_TYPES for graph_input in model.graph.input):
+        return False  # torch's CPU convolutions are float32 and float64 ones
+    names = [node.name for node in nodes]
+    if "" in names or len(set(names)) < len(names):
+        return False  # the schedule tells the convolutions on torch by node name
+    produced = {name for node in nodes for name in node.output}
+    return all(output.name in produced for output in model.graph.output)
+
+
+def schedule(nodes, on_torch) -> list:
+    """Steps in run order: lists of ONNX Runtime nodes (segments) and single nodes torch runs (``on_torch(node)``).
+
+    A topological order that runs every ONNX Runtime node it can before the next convolutions,
+    and then every convolution that is ready: as few segments as the graph's dependencies allow.
+    """
+    producer = {name: index for index, node in enumerate(nodes) for name in node.output if name}
+    waiting_on = [{producer[name] for name in _reads(node) if name in producer} for node in nodes]
+    readers = [[] for _ in nodes]
+    for index, needed in enumerate(waiting_on):
+        for source in needed:
+            readers[source].append(index)
+    on_torch = [on_torch(node) for node in nodes]
+    ready = {True: [], False: []}
+    for index, needed in enumerate(waiting_on):
+        if not needed:
+            heapq.heappush(ready[on_torch[index]], index)
+    steps = []
+    while ready[False] or ready[True]:
+        segment = []
+        while ready[False]:
+            index = heapq.heappop(ready[False])
+            segment.append(nodes[index])
+            _release(index, readers, waiting_on, on_torch, ready)
+        if segment:
+            steps.append(segment)
+        convolutions = []
+        while ready[True]:
+            convolutions.append(heapq.heappop(ready[True]))
+        for index in convolutions:
+            steps.append(nodes[index])
+            _release(index, readers, waiting_on, on_torch, ready)
+    return steps
+
+
+def _release(index, readers, waiting_on, on_torch, ready) -> None:
+    for reader in readers[index]:
+        waiting_on[reader].discard(index)
+        if not waiting_on[reader]:
+            heapq.heappush(ready[on_torch[reader]], reader)
+
+
+def _reads(node: onnx.NodeProto) -> list:
+    return [name for name in node.input if name]
+
+
+class _Segment:
+    """Consecutive ONNX Runtime nodes as a session of their own."""
+
+    def __init__(self, nodes, inputs, outputs, model: onnx.ModelProto, open_session):
+        self.nodes, self.inputs, self.outputs = nodes, inputs, outputs
+        self.model, self.open_session = model, open_session  # open_session: ONNX model -> TorchBoundSession
+        self.session = None
+        self.allocated = list(outputs)  # outputs ONNX Runtime allocates
+        self.bound = {}  # outputs written into the caller's tensors: {name: tensor}
+
+    def open(self, values: dict) -> None:
+        """Build the session for inputs like ``values`` (their dtypes and ranks; graph inputs keep their declared shapes)."""
+        model = self.model
+        read = {name for node in self.nodes for name in node.input}
+        initializers = [init for init in model.graph.initializer if init.name in read]
+        constant = {init.name for init in initializers}
+        self.inputs = [name for name in self.inputs if name not in constant]
+        declared = {graph_input.name: graph_input for graph_input in model.graph.input}
+        inputs = [declared.get(name) or _value_info(name, values[name]) for name in self.inputs]
+        outputs = [helper.make_empty_tensor_value_info(name) for name in self.outputs]
+        graph = helper.make_graph(self.nodes, "segment", inputs, outputs, initializers)
+        segment_model = helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
+        self.session = self.open_session(segment_model)
+        for name, tensor in self.bound.items():
+            self.session.bind_output(name, tensor)
+        self.session.allocate_outputs(self.allocated)
+
+    def bind_output(self, name: str, tensor: torch.Tensor) -> None:
+        self.bound[name] = tensor
+        self.allocated = [output for output in self.outputs if output not in self.bound]
+        if self.session is not None:
+            self.session.bind_output(name, tensor)
+            self.session.allocate_outputs(self.allocated)
+
+    def run(self, values: dict) -> dict:
+        if self.session is None:
+            self.open(values)
+        for name in self.inputs:
+            self.session.bind_input(name, values[name])
+        produced = dict(zip(self.allocated, self.session.run()))
+        produced.update(self.bound)
+        return produced
+
+
+def _value_info(name: str, tensor: torch.Tensor) -> onnx.ValueInfoProto:
+    """An input of ``tensor``'s element type and rank, its sizes left open (one graph serves several shapes)."""
+    return helper.make_tensor_value_info(name, session.onnx_elem_type(tensor.dtype), [None] * tensor.dim())
+
+
+class ConvolutionSplitSession:
+    """A graph run as ONNX Runtime segments with torch's convolutions between them.
+
+    Same interface as :class:`~orttrainer.session.TorchBoundSession`. ``open_session(model,
+    convolutions)`` opens a segment's TorchBoundSession (``convolutions``: whether ONNX Runtime
+    runs convolutions in it, those torch cannot take, which want all threads). Segments are
+    opened at their first run, when the element types of what they are handed are known.
+    """
+
+    def __init__(self, model: onnx.ModelProto, open_session):
+        self._model, self._open_session = model, open_session
+        self.input_names = {graph_input.name for graph_input in model.graph.input}
+        self.output_names = [output.name for output in model.graph.output]
+        self._inputs, self._bound_outputs, self._allocated = {}, {}, []
+        self.on_torch = {node.name for node in model.graph.node if torch_can_run(node)}
+        self._plan()
+        read_on_torch = {name for step in self._steps if isinstance(step, _Convolution) for name in step.inputs}
+        # constants a torch step reads (a rewrite's fixed weights); a segment holds its own as initializers
+        self._constants = {init.name: torch.from_numpy(numpy_helper.to_array(init).copy())
+                           for init in model.graph.initializer if init.name in read_on_torch}  # fmt: skip
+
+    def _plan(self) -> None:
+        """Steps for the convolutions in ``on_torch``, and after each step the values no later step reads."""
+        steps = schedule(list(self._model.graph.node), lambda node: node.name in self.on_torch)
+        self._steps, self._released = [], []
+        needed = set(self.output_names)  # read by a later step or returned
+        for step in reversed(steps):
+            nodes = step if isinstance(step, list) else [step]
+            written = _ordered_unique(name for node in nodes for name in node.output if name)
+            read = _ordered_unique(name for node in nodes for name in _reads(node) if name not in written)
+            if isinstance(step, list):
+                self._steps.append(self._segment(step, read, [name for name in written if name in needed]))
+            else:
+                self._steps.append(_Convolution(step))
+            self._released.append({name for name in written + read if name not in needed and name not in self.input_names})
+            needed |= set(read)
+        self._steps.reverse()
+        self._released.reverse()
+
+    def _segment(self, nodes, inputs, outputs) -> _Segment:
+        convolutions = any(node.op_type in TORCH_OPS for node in nodes)
+        segment = _Segment(nodes, inputs, outputs, self._model, lambda model: self._open_session(model, convolutions))
+        for name, tensor in self._bound_outputs.items():
+            if name in outputs:
+                segment.bind_output(name, tensor)
+        return segment
+
+    @property
+    def segments(self) -> int:
+        """How many ONNX Runtime sessions the graph runs as."""
+        return sum(isinstance(step, _Segment) for step in self._steps)
+
+    def bind_input(self, name: str, tensor: torch.Tensor) -> None:
+        self._inputs[name] = tensor
+
+    def bind_output(self, name: str, tensor: torch.Tensor) -> None:
+        self._bound_outputs[name] = tensor
+        for step in self._steps:
+            if isinstance(step, _Segment) and name in step.outputs:
+                step.bind_output(name, tensor)
+
+    def allocate_outputs(self, names) -> None:
+        self._allocated = list(names)
+
+    def run(self):
+        """Run every step once; return the outputs named in :meth:`allocate_outputs`."""
+        values = {**self._constants, **self._inputs}
+        results = {}
+        for step, released in zip(self._steps, self._released):
+            for name, tensor in step.run(values).items():
+                target = self._bound_outputs.get(name)
+                if target is not None and tensor is not target:
+                    target.copy_(tensor)
+                    tensor = target
+                if name in self._allocated:
+                    results[name] = tensor
+                values[name] = tensor
+            for name in released:
+                values.pop(name, None)
+        return [results[name] for name in self._allocated]
+
+
+def _ordered_unique(names) -> list:
+    return list(dict.fromkeys(names))

@@ -1,0 +1,287 @@
+"""Convolutions run on torch's kernels between ONNX Runtime segments (orttrainer/torch_convolutions.py).
+
+Through the public API: every kind of convolution torch can take trains and evaluates as a
+plain torch loop does (loss and every state_dict key, step by step), inside and across
+accumulation windows, at two batch sizes, and with the kernel per convolution chosen by
+measurement. The schedule, the options and the cases left to ONNX Runtime are checked on
+their own.
+"""
+
+import copy
+import functools
+import warnings
+
+import onnx
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import zoo
+from onnx import TensorProto, helper
+from parity import assert_close_state, cpu_options, run_parity
+
+from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+from orttrainer import torch_convolutions as split
+
+LR = 0.1
+
+
+def kernels(choice, **extra):
+    return cpu_options({"utils": {"convolution_kernels": choice}, **extra})
+
+
+class EveryConvolution(nn.Module):
+    """Conv1d/2d/3d with bias, stride, dilation, groups, depthwise, 1x1, a ConvTranspose2d (a Conv
+    after orttrainer's rewrite) and BatchNorm + ReLU between them."""
+
+    def __init__(self):
+        super().__init__()
+        self.line = nn.Conv1d(3, 4, 3, padding=1)
+        self.stem = nn.Conv2d(3, 8, 3, stride=2, padding=1, bias=False)
+        self.norm = nn.BatchNorm2d(8)
+        self.dilated = nn.Conv2d(8, 8, 3, padding=2, dilation=2, groups=2)
+        self.depthwise = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.pointwise = nn.Conv2d(8, 16, 1)
+        self.up = nn.ConvTranspose2d(16, 4, 2, stride=2)
+        self.volume = nn.Conv3d(1, 2, (1, 3, 3), padding=(0, 1, 1))
+        self.head = nn.Linear(4 + 4 + 2, 5)
+
+    def forward(self, images):
+        x = F.relu(self.norm(self.stem(images)))
+        x = F.relu(self.dilated(x)) + x
+        x = self.pointwise(F.relu(self.depthwise(x)))
+        up = self.up(x).mean((2, 3))
+        line = self.line(images.mean(2)).mean(2)
+        volume = self.volume(images[:, :1].unsqueeze(1)).mean((2, 3, 4))
+        return self.head(torch.cat([up, line, volume], 1))
+
+
+def _image_batches(sizes, classes=5, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, 3, 8, 8, generator=generator), torch.randint(0, classes, (size,), generator=generator))
+            for size in sizes]  # fmt: skip
+
+
+def _last_runtime(trainer):
+    graphs = trainer._graphs._graphs
+    return list(graphs.values())[-1].runtime if isinstance(graphs, dict) else graphs[-1].runtime
+
+
+def test_every_kind_of_convolution_trains_and_evaluates_like_torch():
+    torch.manual_seed(0)
+    batches = _image_batches([4, 4, 6, 4])  # a second batch size: the split graph serves other shapes too
+    trainer, reference = run_parity(EveryConvolution(), batches, optim.SGDConfig(lr=LR),
+                                    functools.partial(torch.optim.SGD, lr=LR), loss_fn=F.cross_entropy,
+                                    options=cpu_options())  # fmt: skip
+    session = _last_runtime(trainer).train_session
+    assert isinstance(session, split.ConvolutionSplitSession)  # the default on the CPU
+    assert len(session.on_torch) == 14  # 7 convolutions (the ConvTranspose's rewrite included) and their gradients
+    images, labels = _image_batches([3], seed=1)[0]
+    reference.eval()
+    with torch.no_grad():
+        expected = reference(images)
+    loss, output = trainer.eval_step(images, labels)
+    torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(loss, F.cross_entropy(expected, labels), atol=1e-5, rtol=1e-5)
+
+
+def test_resnet_trains_like_torch_with_adam_and_every_convolution_on_torch():
+    torch.manual_seed(0)
+    model = zoo.ResNet()
+    generator = torch.Generator().manual_seed(0)
+    batches = [zoo.image_batch(4, generator=generator) for _ in range(3)]
+    config = optim.AdamConfig(lr=1e-3, lambda_coef=0.0)
+    adam = functools.partial(torch.optim.Adam, lr=1e-3)
+    options = cpu_options({"utils": {"convolution_kernels": "torch", "grad_norm_clip": False}})
+    trainer, _ = run_parity(model, batches, config, adam, loss_fn=F.cross_entropy, options=options)
+    session = _last_runtime(trainer).train_session
+    convolutions = sum(node.op_type in split.TORCH_OPS for node in session._model.graph.node)
+    assert len(session.on_torch) == convolutions > 0
+    assert session.segments < convolutions  # convolutions ready together share one gap between segments
+
+
+def test_accumulation_window_averages_the_gradients_of_its_micro_batches_like_torch():
+    """Inside a window the gradients go to scratch buffers (rebound between runs), also from torch's ConvGrad."""
+    torch.manual_seed(0)
+    model = zoo.ResNet()
+    reference = copy.deepcopy(model)
+    options = kernels("torch", batch={"gradient_accumulation_steps": 2})
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=LR), loss_fn=F.cross_entropy, options=options)
+    generator = torch.Generator().manual_seed(3)
+    halves = [zoo.image_batch(4, generator=generator) for _ in range(2)]
+    for images, labels in halves:
+        trainer.train_step(images, labels)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    for images, labels in halves:  # a window's update uses the mean of its micro-batches' gradients
+        (F.cross_entropy(reference(images), labels) / len(halves)).backward()
+    optimizer.step()
+    assert_close_state(trainer, reference)
+
+
+def test_eval_step_runs_the_convolutions_on_torch_and_matches_the_module():
+    torch.manual_seed(0)
+    model = zoo.ResNet()
+    reference = copy.deepcopy(model).eval()
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.0), loss_fn=F.cross_entropy, options=kernels("torch"))
+    images, labels = zoo.image_batch(5, generator=torch.Generator().manual_seed(4))
+    trainer.train_step(images, labels)  # lr 0: weights unchanged, BatchNorm statistics updated as torch does
+    reference.train()(images)
+    reference.eval()
+    with torch.no_grad():
+        expected = reference(images)
+    loss, output = trainer.eval_step(images, labels)
+    torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(loss, F.cross_entropy(expected, labels), atol=1e-5, rtol=1e-5)
+    assert isinstance(_last_runtime(trainer).eval_session, split.ConvolutionSplitSession)
+
+
+def test_the_choice_of_kernels_is_an_option_with_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match=r"utils\.convolution_kernels.*must be one of \['torch', 'onnxruntime'\]"):
+        ORTTrainerOptions({"utils": {"convolution_kernels": "oneDNN"}})
+    torch.manual_seed(0)
+    saved = {"graph_save_paths": {"model_with_training_graph_after_optimization_path": str(tmp_path / "optimized.onnx")}}
+    for choice, options in [("onnxruntime", kernels("onnxruntime")), ("one graph to save", cpu_options({"debug": saved}))]:
+        trainer = ORTTrainer(zoo.ResNet(), None, optim.SGDConfig(lr=LR), loss_fn=F.cross_entropy, options=options)
+        trainer.train_step(*zoo.image_batch(4, generator=torch.Generator().manual_seed(0)))
+        assert not isinstance(_last_runtime(trainer).train_session, split.ConvolutionSplitSession), choice
+
+
+@pytest.mark.parametrize("kernel_size, dims", [(2, 2), (4, 2), ((2, 3), 2), (2, 1)])
+def test_same_padding_with_an_even_kernel_trains_like_torch(kernel_size, dims):
+    """The exporter writes "same" padding as auto_pad SAME_UPPER, which pads an even kernel more at the end.
+    ONNX Runtime's ConvGrad got the weight gradient of such a Conv wrong (the built-in check refused it);
+    torch's call pads a copy of the input, as torch's nn.Conv2d does."""
+    conv = nn.Conv2d if dims == 2 else nn.Conv1d
+
+    class Same(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = conv(3, 4, kernel_size, padding="same")
+            self.other = conv(4, 4, 3, padding=1)
+            self.head = nn.Linear(4, 5)
+
+        def forward(self, images):
+            x = self.other(F.relu(self.conv(images)))
+            return self.head(x.flatten(2).mean(2))
+
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 3, *([7] * dims), generator=generator), torch.randint(0, 5, (4,), generator=generator))
+               for _ in range(2)]  # fmt: skip
+    with warnings.catch_warnings():  # torch's note that "same" with an even kernel copies the input
+        warnings.filterwarnings("ignore", message="Using padding='same' with even kernel lengths")
+        trainer, _ = run_parity(Same(), batches, optim.SGDConfig(lr=LR), functools.partial(torch.optim.SGD, lr=LR),
+                                loss_fn=F.cross_entropy)  # fmt: skip
+    session = _last_runtime(trainer).train_session
+    assert all(n.name in session.on_torch for n in session._model.graph.node if n.op_type in split.TORCH_OPS)
+
+
+@pytest.mark.parametrize("value", [0.0, 1e-40, -1e-40, 3e38, -3e38, float("inf"), float("-inf"), float("nan")])
+def test_boundary_values_pass_through_the_torch_convolutions_as_in_torch(value):
+    """Loss and weight gradients of a conv model fed a boundary value: as torch's (float32, what the trainer
+    claims to equal; overflow and NaN included), and as float64 torch's where that is finite in float32."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 1), nn.Flatten())
+    images = torch.randn(2, 3, 4, 4)
+    images[0, 1, 2, 2] = value
+    images[1, :, 0, :] = value
+    target = torch.randn(2, 32)
+    initial = copy.deepcopy(model.state_dict())
+    references = {dtype: copy.deepcopy(model).to(dtype) for dtype in (torch.float32, torch.float64)}
+    losses = {dtype: F.mse_loss(module(images.to(dtype)), target.to(dtype)) for dtype, module in references.items()}
+    for loss in losses.values():
+        loss.backward()
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=1.0), loss_fn=F.mse_loss,
+                         options=cpu_options({"debug": {"check_against_torch": "off"}}))  # fmt: skip
+    loss = trainer.train_step(images, target)[0]
+    state = trainer.state_dict(pytorch_format=True)
+    gradients = {name: initial[name] - state[name] for name in initial}  # lr 1: the change is the gradient
+    for dtype, reference in references.items():
+        expected_loss = losses[dtype].detach().float()
+        if dtype == torch.float64 and not torch.isfinite(losses[torch.float32]):
+            continue
+        torch.testing.assert_close(loss, expected_loss, atol=1e-5, rtol=1e-4, equal_nan=True)
+        for name, parameter in reference.named_parameters():
+            torch.testing.assert_close(gradients[name], parameter.grad.float(), atol=1e-4, rtol=1e-4, equal_nan=True,
+                                       msg=lambda m: f"{dtype} {name}: {m}")  # fmt: skip
+
+
+def test_size_one_spatial_dims_train_like_torch():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1), nn.Flatten(), nn.Linear(4, 2))
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(3, 3, 1, 1, generator=generator), torch.randint(0, 2, (3,), generator=generator)) for _ in range(2)]
+    run_parity(model, batches, optim.SGDConfig(lr=LR), functools.partial(torch.optim.SGD, lr=LR), loss_fn=F.cross_entropy,
+               options=kernels("torch"))  # fmt: skip
+
+
+# ------------------------------------------------------------------ the parts on their own
+@pytest.mark.parametrize("auto_pad", ["SAME_UPPER", "SAME_LOWER", "VALID", "NOTSET"])
+@pytest.mark.parametrize("size", [5, 6])
+def test_torch_call_computes_the_onnx_conv_and_its_gradient(auto_pad, size):
+    """One Conv node with each padding rule, stride 2 and an even kernel: torch's call against ONNX Runtime's
+    Conv forward, and its ConvGrad against torch autograd through the same padding."""
+    import onnxruntime
+
+    pads = {"pads": [0, 1, 1, 2]} if auto_pad == "NOTSET" else {}
+    attributes = dict(kernel_shape=[2, 3], strides=[2, 2], auto_pad=auto_pad, **pads)
+    conv = helper.make_node("Conv", ["x", "w"], ["y"], name="conv", **attributes)
+    grad = helper.make_node("ConvGrad", ["dy", "x", "w"], ["dx", "dw", ""], name="grad", domain="com.microsoft", **attributes)
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 3, size, size), torch.randn(4, 3, 2, 3)
+    y = split._Convolution(conv).run({"x": x, "w": w})["y"]
+    graph = helper.make_graph([conv], "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in "xw"],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])  # fmt: skip
+    onnx_model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    expected = onnxruntime.InferenceSession(onnx_model.SerializeToString()).run(None, {"x": x.numpy(), "w": w.numpy()})[0]
+    torch.testing.assert_close(y, torch.from_numpy(expected), atol=1e-5, rtol=1e-5)
+
+    dy = torch.randn(y.shape)
+    gradients = split._Convolution(grad).run({"dy": dy, "x": x, "w": w})
+    assert set(gradients) == {"dx", "dw"}
+    padding, extra = split._Convolution(conv)._padding(x)
+    x_ = x.clone().requires_grad_()
+    w_ = w.clone().requires_grad_()
+    torch.convolution(split._Convolution._padded(x_, extra), w_, None, [2, 2], padding, [1, 1], False, [0, 0], 1).backward(dy)
+    torch.testing.assert_close(gradients["dx"], x_.grad)
+    torch.testing.assert_close(gradients["dw"], w_.grad)
+
+
+
+def _node(op, inputs, output):
+    return helper.make_node(op, inputs, [output], name=output)
+
+
+def test_schedule_puts_every_ready_convolution_in_one_gap_and_keeps_dependencies():
+    # two independent branches, each Relu -> Conv -> Relu: both convolutions run in one gap
+    nodes = [_node("Relu", ["x"], "a1"), _node("Conv", ["a1", "w"], "c1"), _node("Relu", ["c1"], "b1"),
+             _node("Relu", ["x"], "a2"), _node("Conv", ["a2", "w"], "c2"), _node("Relu", ["c2"], "b2"),
+             _node("Add", ["b1", "b2"], "y")]  # fmt: skip
+    steps = split.schedule(nodes, lambda node: node.op_type == "Conv")
+    shape = [[n.name for n in step] if isinstance(step, list) else step.name for step in steps]
+    assert shape == [["a1", "a2"], "c1", "c2", ["b1", "b2", "y"]]
+    done = {"x", "w"}
+    for step in steps:
+        for node in step if isinstance(step, list) else [step]:
+            assert set(node.input) <= done, node.name
+            done |= set(node.output)
+
+
+def test_graphs_the_split_cannot_cut_are_left_whole():
+    conv = helper.make_node("Conv", ["x", "w"], ["y"], name="conv", pads=[1, 1, 1, 1], kernel_shape=[3, 3])
+    inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("x", "w")]
+
+    def model(nodes, outputs=("y",), elem_type=TensorProto.FLOAT):
+        graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(i.name, elem_type, None) for i in inputs],
+                                  [helper.make_tensor_value_info(name, elem_type, None) for name in outputs])  # fmt: skip
+        return helper.make_model(graph)
+
+    assert split.can_split(model([conv]))
+    assert not split.can_split(model([conv], elem_type=TensorProto.FLOAT16))  # torch's CPU convolutions: float32/64
+    assert not split.can_split(model([conv], outputs=("y", "x")))  # an output no node computes
+    unnamed = onnx.NodeProto()
+    unnamed.CopyFrom(conv)
+    unnamed.name = ""
+    assert not split.can_split(model([unnamed]))  # kernel choices are remembered by node name
+    assert not split.torch_can_run(helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[3, 3], pads=[-1, 0, 0, 0]))
+    assert not split.torch_can_run(helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1]))  # no kernel_shape
