@@ -410,7 +410,7 @@ def _open_sessions(graphs, device, providers, options, one_thread: bool):
     """(training session, eval session); a training graph ONNX Runtime has no kernel for is named.
 
     On the CPU, a graph with convolutions runs them on torch's kernels (``utils.convolution_kernels``,
-    torch_convolutions.py); the segments between them run on one thread, where ONNX Runtime's
+    torch_convolutions.py) unless they are small; the segments between them run on one thread, where ONNX Runtime's
     second thread would only contend with torch's (benchmarks/NOTES.md §18).
     """
     debug = options.debug
@@ -428,8 +428,11 @@ def _open_sessions(graphs, device, providers, options, one_thread: bool):
     def open_session(model, convolutions=True):
         return session.TorchBoundSession(model, device, providers, all_threads if convolutions else one_thread_only)
 
-    # mixed precision: float16 convolutions, which torch's CPU kernels do not serve well
-    on_torch = options.utils.convolution_kernels == "torch" and device.type == "cpu" and not options.mixed_precision.enabled
+    # "auto": not for graphs of small convolutions, which one ONNX Runtime thread runs faster (LeNet: 7.5 ms
+    # against 8.4 ms split, benchmarks/NOTES.md §18); never under mixed precision (float16 convolutions)
+    kernels = options.utils.convolution_kernels
+    on_torch = kernels == "torch" or (kernels == "auto" and not one_thread)
+    on_torch = on_torch and device.type == "cpu" and not options.mixed_precision.enabled
     on_torch = on_torch and not debug.graph_save_paths.model_with_training_graph_after_optimization_path  # one graph to save
 
     def open_graph(model):

@@ -21,7 +21,7 @@ from .optim import lr_scheduler
 MIN_OPSET = 12
 MAX_OPSET = 20  # the TorchScript exporter's highest opset in torch 2.13
 CHECK_MODES = ("error", "warn", "off")  # debug.check_against_torch
-CONVOLUTION_KERNELS = ("torch", "onnxruntime")  # utils.convolution_kernels
+CONVOLUTION_KERNELS = ("auto", "torch", "onnxruntime")  # utils.convolution_kernels
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ _SCHEMA = {
         "memory_efficient_gradient": _Option(bool, False),
         "run_symbolic_shape_infer": _Option(bool, False),
         # orttrainer's own: where a CPU graph's convolutions run (torch_convolutions.py)
-        "convolution_kernels": _Option(str, "torch", check=lambda value: None if value in CONVOLUTION_KERNELS else f"must be one of {list(CONVOLUTION_KERNELS)}, got {value!r}"),
+        "convolution_kernels": _Option(str, "auto", check=lambda value: None if value in CONVOLUTION_KERNELS else f"must be one of {list(CONVOLUTION_KERNELS)}, got {value!r}"),
     },
     "debug": {
         "deterministic_compute": _Option(bool, False),

@@ -151,14 +151,16 @@ def where(build, condition, if_true, if_false, output=None):
     return build.op("Where", [condition, *operands], output)
 
 
-def _mask(build, condition):
-    """condition as a float 0/1 tensor, to select a branch by multiplying with it.
+def _mask(build, condition, where=True):
+    """1.0 where ``condition`` is ``where``, else 0.0 (a float tensor), to select a branch by multiplying with it.
 
-    In onnxruntime-training 1.19 a Where and its gradient (two more Wheres) cost about ten
-    times a Mul, so the frequent activations select this way; the branch must be finite
-    everywhere, 0 * inf being NaN.
+    In onnxruntime-training 1.19 a Where between tensors and its gradient (two more Wheres) cost
+    about ten times a Mul, so the frequent activations select this way; the branch must be
+    finite everywhere, 0 * inf being NaN. The mask itself is a Where between two constants
+    (nothing to differentiate): ONNX Runtime's bool-to-float Cast and bool Not are scalar loops,
+    about 5x slower for the same mask (benchmarks/NOTES.md §18).
     """
-    return build.op("Cast", [condition], to=onnx.TensorProto.FLOAT)
+    return build.op("Where", [condition, build.const(1.0 if where else 0.0), build.const(0.0 if where else 1.0)])
 
 
 def _nonpositive_part(build, x):
@@ -324,7 +326,7 @@ def hard_swish(build):
     inner = build.op("Clip", [x, build.const(-3.0), build.const(3.0)])
     curve = build.op("Mul", [inner, build.op("Mul", [build.op("Add", [inner, build.const(3.0)]), build.const(1.0 / 6.0)])])
     middle = build.op("And", [_compare(build, "Greater", x, -3.0), _compare(build, "Less", x, 3.0)])
-    above = build.op("Mul", [x, _mask(build, build.op("Not", [_compare(build, "Less", x, 3.0)]))])
+    above = build.op("Mul", [x, _mask(build, _compare(build, "Less", x, 3.0), where=False)])  # NaN: x, as torch
     build.op("Add", [build.op("Mul", [curve, _mask(build, middle)]), above], _output(build))
 
 

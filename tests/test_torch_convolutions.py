@@ -72,9 +72,9 @@ def test_every_kind_of_convolution_trains_and_evaluates_like_torch():
     batches = _image_batches([4, 4, 6, 4])  # a second batch size: the split graph serves other shapes too
     trainer, reference = run_parity(EveryConvolution(), batches, optim.SGDConfig(lr=LR),
                                     functools.partial(torch.optim.SGD, lr=LR), loss_fn=F.cross_entropy,
-                                    options=cpu_options())  # fmt: skip
+                                    options=kernels("torch"))  # fmt: skip
     session = _last_runtime(trainer).train_session
-    assert isinstance(session, split.ConvolutionSplitSession)  # the default on the CPU
+    assert isinstance(session, split.ConvolutionSplitSession)
     assert len(session.on_torch) == 14  # 7 convolutions (the ConvTranspose's rewrite included) and their gradients
     images, labels = _image_batches([3], seed=1)[0]
     reference.eval()
@@ -136,14 +136,26 @@ def test_eval_step_runs_the_convolutions_on_torch_and_matches_the_module():
 
 
 def test_the_choice_of_kernels_is_an_option_with_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match=r"utils\.convolution_kernels.*must be one of \['torch', 'onnxruntime'\]"):
+    with pytest.raises(ValueError, match=r"utils\.convolution_kernels.*must be one of \['auto', 'torch', 'onnxruntime'\]"):
         ORTTrainerOptions({"utils": {"convolution_kernels": "oneDNN"}})
     torch.manual_seed(0)
     saved = {"graph_save_paths": {"model_with_training_graph_after_optimization_path": str(tmp_path / "optimized.onnx")}}
-    for choice, options in [("onnxruntime", kernels("onnxruntime")), ("one graph to save", cpu_options({"debug": saved}))]:
+    for choice, options in [("onnxruntime", kernels("onnxruntime")), ("one graph to save", kernels("torch", debug=saved)),
+                            ("auto, small convolutions", cpu_options())]:  # fmt: skip
         trainer = ORTTrainer(zoo.ResNet(), None, optim.SGDConfig(lr=LR), loss_fn=F.cross_entropy, options=options)
         trainer.train_step(*zoo.image_batch(4, generator=torch.Generator().manual_seed(0)))
         assert not isinstance(_last_runtime(trainer).train_session, split.ConvolutionSplitSession), choice
+
+
+def test_auto_splits_graphs_whose_work_is_in_larger_convolutions():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 3, 32, 32, generator=generator), torch.randint(0, 10, (4,), generator=generator))]
+    trainer, _ = run_parity(model, batches, optim.SGDConfig(lr=LR), functools.partial(torch.optim.SGD, lr=LR),
+                            loss_fn=F.cross_entropy)  # fmt: skip
+    assert isinstance(_last_runtime(trainer).train_session, split.ConvolutionSplitSession)
 
 
 @pytest.mark.parametrize("kernel_size, dims", [(2, 2), (4, 2), ((2, 3), 2), (2, 1)])
@@ -171,7 +183,7 @@ def test_same_padding_with_an_even_kernel_trains_like_torch(kernel_size, dims):
     with warnings.catch_warnings():  # torch's note that "same" with an even kernel copies the input
         warnings.filterwarnings("ignore", message="Using padding='same' with even kernel lengths")
         trainer, _ = run_parity(Same(), batches, optim.SGDConfig(lr=LR), functools.partial(torch.optim.SGD, lr=LR),
-                                loss_fn=F.cross_entropy)  # fmt: skip
+                                loss_fn=F.cross_entropy, options=kernels("torch"))  # fmt: skip
     session = _last_runtime(trainer).train_session
     assert all(n.name in session.on_torch for n in session._model.graph.node if n.op_type in split.TORCH_OPS)
 
@@ -192,7 +204,7 @@ def test_boundary_values_pass_through_the_torch_convolutions_as_in_torch(value):
     for loss in losses.values():
         loss.backward()
     trainer = ORTTrainer(model, None, optim.SGDConfig(lr=1.0), loss_fn=F.mse_loss,
-                         options=cpu_options({"debug": {"check_against_torch": "off"}}))  # fmt: skip
+                         options=kernels("torch", debug={"check_against_torch": "off"}))  # fmt: skip
     loss = trainer.train_step(images, target)[0]
     state = trainer.state_dict(pytorch_format=True)
     gradients = {name: initial[name] - state[name] for name in initial}  # lr 1: the change is the gradient
@@ -211,8 +223,9 @@ def test_size_one_spatial_dims_train_like_torch():
     model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1), nn.Flatten(), nn.Linear(4, 2))
     generator = torch.Generator().manual_seed(0)
     batches = [(torch.randn(3, 3, 1, 1, generator=generator), torch.randint(0, 2, (3,), generator=generator)) for _ in range(2)]
-    run_parity(model, batches, optim.SGDConfig(lr=LR), functools.partial(torch.optim.SGD, lr=LR), loss_fn=F.cross_entropy,
-               options=kernels("torch"))  # fmt: skip
+    trainer, _ = run_parity(model, batches, optim.SGDConfig(lr=LR), functools.partial(torch.optim.SGD, lr=LR),
+                            loss_fn=F.cross_entropy, options=kernels("torch"))  # fmt: skip
+    assert isinstance(_last_runtime(trainer).train_session, split.ConvolutionSplitSession)
 
 
 # ------------------------------------------------------------------ the parts on their own
