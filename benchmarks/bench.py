@@ -71,13 +71,15 @@ def _torch_step(model, workload, compiled):
     return step, timed_update
 
 
-def _orttrainer_step(model, workload):
+def _orttrainer_step(model, workload, options=None):
+    """``options``: orttrainer options on top of the benchmark's (e.g. {"utils": {"convolution_kernels": ...}})."""
     from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 
     config = optim.AdamConfig(lr=ADAMW["lr"], alpha=ADAMW["betas"][0], beta=ADAMW["betas"][1], epsilon=ADAMW["eps"],
                               lambda_coef=ADAMW["weight_decay"])
-    trainer = ORTTrainer(model, None, config, loss_fn=workload.loss_fn,
-                         options=ORTTrainerOptions({"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False}}))
+    given = options or {}
+    settings = {**given, "device": {"id": "cpu"}, "utils": {"grad_norm_clip": False, **given.get("utils", {})}}
+    trainer = ORTTrainer(model, None, config, loss_fn=workload.loss_fn, options=ORTTrainerOptions(settings))
     timed = {}
 
     def step(batch):
@@ -139,7 +141,7 @@ def _ortmodule_step(model, workload):
     return _torch_step(ORTModule(model), workload, compiled=False)
 
 
-def _make_step(contender, workload, batch):
+def _make_step(contender, workload, batch, options=None):
     torch.manual_seed(0)
     model = workload.make_model()
     if contender == "torch eager":
@@ -147,14 +149,14 @@ def _make_step(contender, workload, batch):
     if contender == "torch.compile":
         return _torch_step(model, workload, compiled=True)
     if contender == "orttrainer":
-        return _orttrainer_step(model, workload)
+        return _orttrainer_step(model, workload, options)
     if contender == "on-device ORT API":
         return _on_device_step(model, workload, batch)
     return _ortmodule_step(model, workload)
 
 
 # ---------------------------------------------------------------------------- worker
-def _worker(connection, workload_index, contender, warmup, quick):
+def _worker(connection, workload_index, contender, warmup, quick, options=None):
     """Build one contender, warm it up, then time rounds on request; report peak RSS last."""
     import warnings
 
@@ -172,7 +174,7 @@ def _worker(connection, workload_index, contender, warmup, quick):
     stderr = os.dup(2)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # graph builders log every transformer at INFO level
     try:
-        step, update = _make_step(contender, workload, batches[0])
+        step, update = _make_step(contender, workload, batches[0], options)
         for index in range(warmup):
             step(batches[index % len(batches)])
     except Exception as error:  # a contender that cannot run this model is reported, not fatal
@@ -203,13 +205,33 @@ def _workloads(quick):
 
 
 # ---------------------------------------------------------------------------- parent
-def gemm_ceiling_gflops(size=1024, repeats=20):
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    torch.mm(a, b)
+def gemm_ceiling_gflops(size=1024, trials=7, repeats=5):
+    """The best rate of a square float32 GEMM, (torch's, ONNX Runtime's), over a few trials after a warm-up."""
+    from onnx import TensorProto, helper
+
+    from orttrainer.session import TorchBoundSession, session_options
+
+    a, b, c = torch.randn(size, size), torch.randn(size, size), torch.empty(size, size)
+    square = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [size, size]) for name in "abc"]
+    graph = helper.make_graph([helper.make_node("MatMul", ["a", "b"], ["c"])], "gemm", square[:2], square[2:])
+    session = TorchBoundSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8),
+                                torch.device("cpu"), [("CPUExecutionProvider", {})], session_options())  # fmt: skip
+    session.bind_input("a", a)
+    session.bind_input("b", b)
+    session.bind_output("c", c)
+    rates = []
+    for run in (lambda: torch.mm(a, b, out=c), session.run):
+        run()
+        fastest = min(_seconds(run, repeats) for _ in range(trials))
+        rates.append(2 * size**3 / fastest / 1e9)
+    return tuple(rates)
+
+
+def _seconds(run, repeats) -> float:
     start = time.perf_counter()
     for _ in range(repeats):
-        torch.mm(a, b)
-    return 2 * size**3 * repeats / (time.perf_counter() - start) / 1e9
+        run()
+    return (time.perf_counter() - start) / repeats
 
 
 def step_gflop(workload_index, quick):
@@ -231,20 +253,21 @@ def _step_gflop(workload_index, quick):
     return counter.get_total_flops() / 1e9
 
 
-def measure(workload_index, workload, rounds, steps, warmup, quick, env):
-    """{contender: result} for one workload, rounds interleaved across the workers."""
+def measure(workload_index, workload, rounds, steps, warmup, quick, env, contenders=None):
+    """{label: result} for one workload, rounds interleaved across the workers. ``contenders``:
+    {label: (contender, orttrainer options or None)}, by default every one of CONTENDERS."""
+    contenders = contenders or {name: (name, None) for name in CONTENDERS if not (quick and name == "torch.compile")}
     context = multiprocessing.get_context("spawn")
     saved = dict(os.environ)
     os.environ.update(env)
     workers = {}
     try:
-        for contender in CONTENDERS:
-            if quick and contender == "torch.compile":
-                continue
+        for label, (contender, options) in contenders.items():
             parent, child = context.Pipe()
-            process = context.Process(target=_worker, args=(child, workload_index, contender, warmup, quick), daemon=True)
+            process = context.Process(target=_worker, args=(child, workload_index, contender, warmup, quick, options),
+                                      daemon=True)  # fmt: skip
             process.start()
-            workers[contender] = (parent, process)
+            workers[label] = (parent, process)
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -288,8 +311,10 @@ def summarize(results, gflop):
 
 
 def markdown(report):
+    torch_gemm, onnxruntime_gemm = report["gemm_gflops"]
     lines = [f"Measured {report['date']} on {report['machine']}, {report['threads']} torch threads; "
-             f"GEMM ceiling {report['gemm_gflops']:.0f} GFLOP/s. ms per train step (forward, backward, AdamW): "
+             f"GEMM ceiling (1024x1024x1024 float32, best of 7) torch {torch_gemm:.0f}, ONNX Runtime "
+             f"{onnxruntime_gemm:.0f} GFLOP/s. ms per train step (forward, backward, AdamW): "
              "median [min-max], ratio to eager, optimizer ms, peak RSS MB, achieved GFLOP/s."]
     for variant, workloads in report["variants"].items():
         lines += ["", f"**{variant}**", "", "| workload | " + " | ".join(CONTENDERS) + " |", "|---" * (len(CONTENDERS) + 1) + "|"]

@@ -2,8 +2,8 @@
 
 Through the public API: every kind of convolution torch can take trains and evaluates as a
 plain torch loop does (loss and every state_dict key, step by step), inside and across
-accumulation windows, at two batch sizes, and with the kernel per convolution chosen by
-measurement. The schedule, the options and the cases left to ONNX Runtime are checked on
+accumulation windows, at two batch sizes, with uneven ("same") padding and at boundary values.
+The torch calls, the schedule and the choice of kernels (option and default) are checked on
 their own.
 """
 
@@ -67,6 +67,16 @@ def _last_runtime(trainer):
     return list(graphs.values())[-1].runtime if isinstance(graphs, dict) else graphs[-1].runtime
 
 
+def _assert_evaluates_like(trainer, reference, images, labels):
+    """eval_step's loss and output equal the torch module's in eval mode."""
+    reference.eval()
+    with torch.no_grad():
+        expected = reference(images)
+    loss, output = trainer.eval_step(images, labels)
+    torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(loss, F.cross_entropy(expected, labels), atol=1e-5, rtol=1e-5)
+
+
 def test_every_kind_of_convolution_trains_and_evaluates_like_torch():
     torch.manual_seed(0)
     batches = _image_batches([4, 4, 6, 4])  # a second batch size: the split graph serves other shapes too
@@ -76,13 +86,7 @@ def test_every_kind_of_convolution_trains_and_evaluates_like_torch():
     session = _last_runtime(trainer).train_session
     assert isinstance(session, split.ConvolutionSplitSession)
     assert len(session.on_torch) == 14  # 7 convolutions (the ConvTranspose's rewrite included) and their gradients
-    images, labels = _image_batches([3], seed=1)[0]
-    reference.eval()
-    with torch.no_grad():
-        expected = reference(images)
-    loss, output = trainer.eval_step(images, labels)
-    torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(loss, F.cross_entropy(expected, labels), atol=1e-5, rtol=1e-5)
+    _assert_evaluates_like(trainer, reference, *_image_batches([3], seed=1)[0])
 
 
 def test_resnet_trains_like_torch_with_adam_and_every_convolution_on_torch():
@@ -126,12 +130,7 @@ def test_eval_step_runs_the_convolutions_on_torch_and_matches_the_module():
     images, labels = zoo.image_batch(5, generator=torch.Generator().manual_seed(4))
     trainer.train_step(images, labels)  # lr 0: weights unchanged, BatchNorm statistics updated as torch does
     reference.train()(images)
-    reference.eval()
-    with torch.no_grad():
-        expected = reference(images)
-    loss, output = trainer.eval_step(images, labels)
-    torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(loss, F.cross_entropy(expected, labels), atol=1e-5, rtol=1e-5)
+    _assert_evaluates_like(trainer, reference, images, labels)
     assert isinstance(_last_runtime(trainer).eval_session, split.ConvolutionSplitSession)
 
 
