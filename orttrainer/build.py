@@ -428,8 +428,8 @@ def _open_sessions(graphs, device, providers, options, one_thread: bool):
     def open_session(model, convolutions=True):
         return session.TorchBoundSession(model, device, providers, all_threads if convolutions else one_thread_only)
 
-    # "auto": not for graphs of small convolutions, which one ONNX Runtime thread runs faster (LeNet: 7.5 ms
-    # against 8.4 ms split, benchmarks/NOTES.md §18); never under mixed precision (float16 convolutions)
+    # "auto": not for graphs of small convolutions (one ONNX Runtime thread runs them as fast, with less memory:
+    # benchmarks/NOTES.md §18); never under mixed precision (float16 convolutions)
     kernels = options.utils.convolution_kernels
     on_torch = kernels == "torch" or (kernels == "auto" and not one_thread)
     on_torch = on_torch and device.type == "cpu" and not options.mixed_precision.enabled
