@@ -185,12 +185,13 @@ def rounding_spread(run_torch, weights: dict, reference: StepResult, dtype: torc
     return spread
 
 
-def check(ort: StepResult, run_torch, weights: dict, dtype: torch.dtype, where: dict, mode: str) -> None:
-    """Compare ``ort`` with torch's step on ``weights`` (``run_torch(weights)``, see ``torch_step``);
-    differences that rounding at a kink explains are excused (``rounding_spread``); report the rest."""
+def check(ort: StepResult, run_torch, weights: dict, dtype: torch.dtype, where: dict, mode: str, reference=None) -> None:
+    """Compare ``ort`` with torch's step on ``weights`` (``reference``, or ``run_torch(weights)``, see
+    ``torch_step``); differences that rounding at a kink explains are excused (``rounding_spread``);
+    report the rest."""
     if mode == "off":
         return
-    reference = run_torch(weights)
+    reference = reference if reference is not None else run_torch(weights)
     differences = compare(ort, reference, dtype, where)
     if differences:
         differences = compare(ort, reference, dtype, where, rounding_spread(run_torch, weights, reference, dtype))
