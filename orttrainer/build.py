@@ -23,7 +23,7 @@ import onnxruntime
 import torch
 from onnx import numpy_helper
 
-from . import export, graph, session, torch_convolutions
+from . import export, graph, session, torch_convolutions, verify
 from .model_desc import _ORTTrainerModelDesc, forward_parameters, infer_model_desc
 
 
@@ -31,8 +31,8 @@ class Runtime:
     """What a build leaves for the steps: sessions bound to the weights, and what a run needs.
 
     ``from_torch`` also fills ``aliases`` (tied weights: {alias: first name}), ``unexported_state``
-    and ``batch_counters`` (torch state the graph does not hold), ``reference`` (module and forward
-    names for the first-step check against torch) and ``export_sample`` (the batch and torch's
+    and ``batch_counters`` (torch state the graph does not hold), ``reference`` (a verify.Reference,
+    for the first-step check against torch) and ``export_sample`` (the batch and torch's
     outputs, for debug.check_model_export). Runtimes of one trainer share ``weights``, these,
     ``owned`` and ``scales``.
     """
@@ -216,6 +216,8 @@ def from_torch(source, exported, device, providers, data_parallel=None, shared=N
     onnx_model = _postprocess(exported.onnx_model, options._internal_use.extra_postprocess)
     facts = graph.infer_tensor_facts(onnx_model)
     trainable = _trainable(module, onnx_model, desc.loss_output.name, options, facts)
+    # the first-step check's torch side, taken before any ONNX Runtime memory exists (NOTES.md §18)
+    reference = _torch_reference(source, exported) if options.debug.check_against_torch != "off" else None
     in_graph = _in_graph(onnx_model, exported.state)
     if shared is None:
         untrained = [name for name in in_graph if name not in trainable]
@@ -234,13 +236,22 @@ def from_torch(source, exported, device, providers, data_parallel=None, shared=N
         runtime.weights, runtime.owned = shared.weights, shared.owned
         runtime.aliases, runtime.unexported_state = shared.aliases, shared.unexported_state
         runtime.batch_counters = shared.batch_counters
-    if options.debug.check_against_torch != "off":
-        runtime.reference = (module, source.forward_names)  # the first train_step on this graph checks against it
+    runtime.reference = reference  # the first train_step on this graph checks against it
     for index, tensor in enumerate(exported.outputs):
         desc.add_type_to_output_description(index, tensor.dtype, getattr(desc.outputs[index], "dtype_amp", None))
     if options.debug.check_model_export:
         runtime.export_sample = (exported.inputs, exported.outputs)
     return runtime
+
+
+def _torch_reference(source, exported) -> verify.Reference:
+    """torch autograd's step on the exported batch and weights (dropout off): outputs, every parameter's gradient, buffers."""
+    desc = exported.desc
+    parameters = [name for name, _ in source.module.named_parameters()]
+    step = verify.torch_step(source.module, source.loss_fn, source.forward_names, exported.inputs, exported.state,
+                             output_names=[entry.name for entry in desc.outputs], loss_name=desc.loss_output.name,
+                             trained=parameters)  # fmt: skip
+    return verify.Reference(source.module, source.forward_names, step, exported.state)
 
 
 def _in_graph(onnx_model, state: dict) -> list:

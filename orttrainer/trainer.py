@@ -220,16 +220,16 @@ class ORTTrainer:
         """The built-in check (verify.py): this batch through the training graph and through the
         module in torch autograd, both without dropout; nothing of the trainer's state changes."""
         runtime = self._runtime
-        module, forward_names = runtime.reference
+        reference = runtime.reference
         runtime.reference = None
         if runtime.dropout_fixed:
             warnings.warn("debug.check_against_torch skipped: a float16 (mixed precision) graph with dropout cannot turn it off")
             return
         output_names = [entry.name for entry in self.model_desc.outputs]
-        run_torch = functools.partial(verify.torch_step, module, self.loss_fn, forward_names, inputs, output_names=output_names,
-                                      loss_name=self.model_desc.loss_output.name, trained=list(self._gradients.sums))  # fmt: skip
-        # torch first: its activations are freed before ONNX Runtime's arena grows (GPT-2 peak RSS 2.76 -> 2.60 GB, NOTES §18)
-        reference = run_torch(runtime.weights)
+        run_torch = functools.partial(verify.torch_step, reference.module, self.loss_fn, reference.forward_names, inputs,
+                                      output_names=output_names, loss_name=self.model_desc.loss_output.name,
+                                      trained=list(self._gradients.sums))  # fmt: skip
+        torch_result = reference.step_on(runtime.weights, run_torch)
         bound_before = self._gradients.bound
         gradients = {name: torch.empty_like(grad) for name, grad in self._gradients.sums.items()}
         runtime.dropout_scale.fill_(0.0)
@@ -247,7 +247,7 @@ class ORTTrainer:
         ort = verify.StepResult(dict(zip(output_names, outputs)), gradients, buffers)
         dtype = torch.float16 if self.options.mixed_precision.enabled else torch.float32
         where = graph.where_in_graph(runtime.onnx_model, list(gradients) + output_names + list(buffers))
-        verify.check(ort, run_torch, runtime.weights, dtype, where, self.options.debug.check_against_torch, reference)
+        verify.check(ort, run_torch, runtime.weights, dtype, where, self.options.debug.check_against_torch, torch_result)
 
     def _update_weights(self, lr, accumulation):
         """Sum over ranks, undo the loss scale (skipping non-finite steps), then the optimizer on

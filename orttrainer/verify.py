@@ -102,6 +102,23 @@ def torch_step(module, loss_fn, forward_names, inputs, weights: dict, output_nam
 
 
 @dataclass
+class Reference:
+    """The torch side of a graph's first-step check: the module, and torch's step taken when the graph
+    was built (before ONNX Runtime held any memory: the two would otherwise add up) on ``weights``."""
+
+    module: torch.nn.Module
+    forward_names: list
+    step: StepResult
+    weights: dict  # name -> CPU tensor the step ran with
+
+    def step_on(self, weights: dict, run_torch) -> StepResult:
+        """torch's step on ``weights``: the one taken at the build if they are the same, else ``run_torch(weights)``
+        (a state_dict loaded before the first step, rank 0's weights on the other ranks)."""
+        same = all(name in self.weights and torch.equal(self.weights[name], tensor.detach().cpu()) for name, tensor in weights.items())
+        return self.step if same else run_torch(weights)
+
+
+@dataclass
 class Difference:
     kind: str  # "output", "gradient of", "buffer"
     name: str
@@ -110,24 +127,37 @@ class Difference:
     where: str
 
 
+_CHUNK = 1 << 20  # elements compared at a time: the float64 temporaries of a large tensor (logits over a vocabulary) stay small
+
+
+def _chunks(tensor: torch.Tensor):
+    flat = tensor.detach().cpu().reshape(-1)
+    return (flat[start : start + _CHUNK].double() for start in range(0, flat.numel(), _CHUNK))
+
+
 def _largest_finite(tensor: torch.Tensor) -> float:
-    finite = tensor.detach()[tensor.detach().isfinite()]
-    return finite.abs().max().item() if finite.numel() else 0.0
+    largest = 0.0
+    for chunk in _chunks(tensor):
+        finite = chunk[chunk.isfinite()]
+        largest = max(largest, finite.abs().max().item() if finite.numel() else 0.0)
+    return largest
 
 
 def _difference(actual: torch.Tensor, expected: torch.Tensor, relative_tolerance: float, floor: float):
     """(largest absolute, largest relative difference) if outside the tolerance, else None."""
-    actual, expected = actual.detach().double().cpu(), expected.detach().double().cpu()
     if actual.shape != expected.shape:
         return float("inf"), float("inf")
-    both_nan = actual.isnan() & expected.isnan()
-    same_infinity = actual.isinf() & (actual == expected)
-    error = (actual - expected).abs().masked_fill(both_nan | same_infinity, 0.0).nan_to_num(nan=float("inf"))
-    allowed = relative_tolerance * (expected.abs().nan_to_num(posinf=0.0, neginf=0.0) + _largest_finite(expected)) + floor
-    if bool((error <= allowed).all()):
-        return None
-    relative = (error / expected.abs().clamp_min(1e-12)).max().item()
-    return error.max().item(), relative
+    largest_expected = _largest_finite(expected)
+    outside, largest_absolute, largest_relative = False, 0.0, 0.0
+    for mine, theirs in zip(_chunks(actual), _chunks(expected)):
+        both_nan = mine.isnan() & theirs.isnan()
+        same_infinity = mine.isinf() & (mine == theirs)
+        error = (mine - theirs).abs().masked_fill(both_nan | same_infinity, 0.0).nan_to_num(nan=float("inf"))
+        allowed = relative_tolerance * (theirs.abs().nan_to_num(posinf=0.0, neginf=0.0) + largest_expected) + floor
+        outside = outside or not bool((error <= allowed).all())
+        largest_absolute = max(largest_absolute, error.max().item())
+        largest_relative = max(largest_relative, (error / theirs.abs().clamp_min(1e-12)).max().item())
+    return (largest_absolute, largest_relative) if outside else None
 
 
 def compare(ort: StepResult, reference: StepResult, dtype: torch.dtype, where: dict, spread=None) -> list:
