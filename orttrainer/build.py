@@ -251,7 +251,10 @@ def _torch_reference(source, exported) -> verify.Reference:
     step = verify.torch_step(source.module, source.loss_fn, source.forward_names, exported.inputs, exported.state,
                              output_names=[entry.name for entry in desc.outputs], loss_name=desc.loss_output.name,
                              trained=parameters)  # fmt: skip
-    return verify.Reference(source.module, source.forward_names, step, exported.state)
+    # a copy: on the CPU the trainer's weight tensors are these very tensors, and a state_dict loaded before
+    # the first step writes into them
+    weights = {name: tensor.detach().clone() for name, tensor in exported.state.items()}
+    return verify.Reference(source.module, source.forward_names, step, weights)
 
 
 def _in_graph(onnx_model, state: dict) -> list:

@@ -75,3 +75,28 @@ def test_the_trainer_check_catches_a_gradient_one_percent_off(monkeypatch):
                          options=ORTTrainerOptions({"device": {"id": "cpu"}}))
     with pytest.raises(TorchMismatchError, match=r"gradient of 'fc1.weight'"):
         trainer.train_step(*mlp_batch())
+
+
+def test_check_compares_with_the_weights_loaded_before_the_first_step():
+    """torch's side of the check is taken at the build; weights loaded after it (before the first step) are
+    the ones both sides must use, so the check takes torch's step again on them (verify.Reference.step_on)."""
+    torch.manual_seed(0)
+    trainer = ORTTrainer(MLP(), None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy,
+                         options=ORTTrainerOptions({"device": {"id": "cpu"}}))  # fmt: skip
+    donor = ORTTrainer(MLP(), None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy,
+                       options=ORTTrainerOptions({"device": {"id": "cpu"}}))  # fmt: skip
+    donor.train_step(*mlp_batch())
+    trainer.load_state_dict(donor.state_dict())
+    runs = []
+    original = verify.torch_step
+
+    def counted(*args, **kwargs):
+        runs.append(1)
+        return original(*args, **kwargs)
+
+    verify.torch_step = counted
+    try:
+        trainer.train_step(*mlp_batch())  # the check passes: no TorchMismatchError
+    finally:
+        verify.torch_step = original
+    assert len(runs) == 2  # at the build, and again on the loaded weights
