@@ -257,11 +257,7 @@ class ConvolutionSplitSession:
 
     def _segment(self, nodes, inputs, outputs) -> _Segment:
         convolutions = any(node.op_type in TORCH_OPS for node in nodes)
-        segment = _Segment(nodes, inputs, outputs, self._model, lambda model: self._open_session(model, convolutions))
-        for name, tensor in self._bound_outputs.items():
-            if name in outputs:
-                segment.bind_output(name, tensor)
-        return segment
+        return _Segment(nodes, inputs, outputs, self._model, lambda model: self._open_session(model, convolutions))
 
     @property
     def segments(self) -> int:
