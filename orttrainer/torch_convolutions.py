@@ -35,12 +35,11 @@ class _Convolution:
     """
 
     def __init__(self, node: onnx.NodeProto):
-        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        attributes = _attributes(node)
         self.kernel = list(attributes["kernel_shape"])
         dims = len(self.kernel)
         self.node = node
-        self.auto_pad = attributes.get("auto_pad", b"NOTSET")
-        self.auto_pad = self.auto_pad.decode() if isinstance(self.auto_pad, bytes) else self.auto_pad
+        self.auto_pad = attributes["auto_pad"]
         self.pads = list(attributes.get("pads", [0] * 2 * dims))
         self.stride = list(attributes.get("strides", [1] * dims))
         self.dilation = list(attributes.get("dilations", [1] * dims))
@@ -93,14 +92,20 @@ class _Convolution:
         return {name: gradient for name, gradient, needed in zip(self.outputs, (dx, dw, db), wanted) if needed}
 
 
+def _attributes(node: onnx.NodeProto) -> dict:
+    """A convolution node's attributes by name, ``auto_pad`` as a str (NOTSET when absent)."""
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    auto_pad = attributes.get("auto_pad", "NOTSET")
+    attributes["auto_pad"] = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    return attributes
+
+
 def torch_can_run(node: onnx.NodeProto) -> bool:
     """A convolution torch's call computes as ONNX defines it (every Conv the exporter writes)."""
     if node.op_type not in TORCH_OPS or node.domain not in ("", "ai.onnx", "com.microsoft"):
         return False
-    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    auto_pad = attributes.get("auto_pad", b"NOTSET")
-    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
-    known = auto_pad in ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID")
+    attributes = _attributes(node)
+    known = attributes["auto_pad"] in ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID")
     return known and "kernel_shape" in attributes and min(attributes.get("pads", [0])) >= 0
 
 
