@@ -168,8 +168,8 @@ def move_weights_to_inputs(model: onnx.ModelProto, weight_names) -> None:
     model.graph.initializer.extend(kept)
 
 
-def drop_zero_dropouts(model: onnx.ModelProto) -> int:
-    """Turn, in place, every Dropout with a constant ratio of 0 into an Identity; return how many.
+def drop_zero_dropouts(model: onnx.ModelProto) -> None:
+    """Turn, in place, every Dropout with a constant ratio of 0 into an Identity.
 
     torch's dropout with p=0 returns its input unchanged, and models keep such modules
     (transformers' configs with dropout 0, ``nn.TransformerEncoderLayer(dropout=0.0)``); ONNX
@@ -181,7 +181,6 @@ def drop_zero_dropouts(model: onnx.ModelProto) -> int:
         if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
             constants[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
     read = {name for node in model.graph.node for name in node.input} | {output.name for output in model.graph.output}
-    dropped = 0
     for node in model.graph.node:
         if node.op_type != "Dropout" or len(node.input) < 2 or node.input[1] not in constants:
             continue
@@ -191,9 +190,7 @@ def drop_zero_dropouts(model: onnx.ModelProto) -> int:
         del node.input[1:]
         del node.output[1:]
         del node.attribute[:]
-        dropped += 1
     _remove_unused(model.graph)
-    return dropped
 
 
 def set_inference_mode(model: onnx.ModelProto) -> None:
