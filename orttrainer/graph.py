@@ -20,7 +20,7 @@ import onnxruntime
 from onnx import helper, numpy_helper
 from onnxruntime.capi._pybind_state import GradientGraphBuilder, get_optimized_model
 
-from . import cpu_kernels, rewrites
+from . import cpu_kernels, defined_gradients, rewrites
 
 MAX_IR_VERSION = 10  # the highest IR version ONNX Runtime 1.19 loads
 
@@ -35,7 +35,7 @@ _OUTPUTS_NEEDED_BY_GRADIENT = {
 
 # Ops measured to have no gradient builder in onnxruntime-training 1.19 (docs/stack_facts.md, "Gradient graphs").
 OPS_WITHOUT_GRADIENT = frozenset(
-    """Softplus Elu Selu Celu PRelu HardSigmoid HardSwish Mish Softsign InstanceNormalization
+    """Softplus Elu Selu Celu PRelu HardSigmoid Mish Softsign InstanceNormalization
     ReduceMax ReduceMin ReduceProd ReduceL1 ReduceLogSum ReduceSumSquare Sum Mean CumSum Einsum
     Asin Acos Atan Sinh Cosh Asinh Acosh Atanh Floor Ceil Round Sign Mod GridSample
     DepthToSpace SpaceToDepth LpNormalization LRN RNN""".split()
@@ -56,11 +56,12 @@ _SCALED_LOSS = "orttrainer.scaled_loss"
 # Kept in float32 under mixed precision: losses, normalisation statistics, softmax, exp/log
 # and reductions (torch autocast's float32 list), besides the converter's own defaults;
 # Slice, whose gradient has no float16 CPU kernel in ONNX Runtime 1.19; and MaxPool, whose
-# float16 training graph crashes ONNX Runtime 1.19's session creation (segmentation fault).
+# float16 training graph crashes ONNX Runtime 1.19's session creation (segmentation fault);
+# HardSwish, whose forward defined_gradients spells out with float32 constants after the build.
 _FLOAT32_OPS = [
     "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss", "Softmax", "LogSoftmax", "LayerNormalization",
     "BatchNormalization", "InstanceNormalization", "ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2",
-    "ReduceLogSumExp", "Exp", "Log", "Pow", "Sqrt", "Reciprocal", "Div", "CumSum", "Erf", "Slice", "MaxPool",
+    "ReduceLogSumExp", "Exp", "Log", "Pow", "Sqrt", "Reciprocal", "Div", "CumSum", "Erf", "Slice", "MaxPool", "HardSwish",
 ]  # fmt: skip
 
 
@@ -647,12 +648,15 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     options = _quiet_session_options()
     optimized = onnx.load_from_string(get_optimized_model(model.SerializeToString(), set(graph_trainable), options))
     _add_outputs_needed_by_gradients(optimized)
+    defined_gradients.register_gradient_definitions()
     try:
         builder = GradientGraphBuilder(optimized.SerializeToString(), {gradient_of}, set(graph_trainable) | set(rows), gradient_of, options)
         builder.build()
     except RuntimeError as error:
         raise _builder_error(error, optimized.graph) from error
     train_model = onnx.load_from_string(builder.get_model())
+    defined_gradients.spell_forwards(train_model)
+    defined_gradients.spell_forwards(eval_model)
     if mixed_precision:
         _float32_gradient_kernels(train_model)
     elif fast_cpu_kernels:

@@ -318,18 +318,6 @@ def hard_sigmoid(build):
     build.op("Add", [build.op("Mul", [clipped, _mask(build, inside)]), outside], _output(build))
 
 
-def hard_swish(build):
-    """x * clip((x + 3) / 6, 0, 1) with torch's hardswish branches: 0 (gradient 0; NaN at
-    -inf, as torch's x * 0) for x <= -3, the curve (gradient x / 3 + 1/2) strictly between,
-    x (gradient 1) from 3 on; the curve reads x clipped to [-3, 3], finite."""
-    x = build.node.input[0]
-    inner = build.op("Clip", [x, build.const(-3.0), build.const(3.0)])
-    curve = build.op("Mul", [inner, build.op("Mul", [build.op("Add", [inner, build.const(3.0)]), build.const(1.0 / 6.0)])])
-    middle = build.op("And", [_compare(build, "Greater", x, -3.0), _compare(build, "Less", x, 3.0)])
-    above = build.op("Mul", [x, _mask(build, _compare(build, "Less", x, 3.0), where=False)])  # NaN: x, as torch
-    build.op("Add", [build.op("Mul", [curve, _mask(build, middle)]), above], _output(build))
-
-
 def prelu(build):
     """relu(x) + slope * min(x, 0): gradient slope at x = 0, as torch's (_nonpositive_part);
     the slope is multiplied only by the x <= 0 values, so +inf gives it gradient 0, not
@@ -1026,7 +1014,6 @@ REWRITES = {
     "Celu": celu,
     "Selu": selu,
     "HardSigmoid": hard_sigmoid,
-    "HardSwish": hard_swish,
     "PRelu": prelu,
     "BatchNormalization": inference_batch_norm,
     "InstanceNormalization": instance_normalization,

@@ -1,0 +1,90 @@
+"""Gradients handed to onnxruntime-training's gradient builder for ops it has none for.
+
+The builder accepts, per op type, a gradient definition: nodes that read the forward node's
+inputs ``I(i)`` and incoming gradients ``GO(i)`` and write the gradients of its inputs
+``GI(i)``. An op given one stays a single forward node while the gradient is built, and its
+gradient is the few elementwise passes of torch's own backward kernel, where an exact rewrite
+into primitive ops (rewrites.py) has ONNX Runtime differentiate a dozen of them (benchmarks/NOTES.md §19).
+
+ONNX Runtime's forward kernels for these ops round differently from torch's near the kinks, so
+after the build the forward node is spelled out as torch computes it (``spell_forwards``).
+The registry is the process's: a definition is registered once, for an op type that has no
+gradient builder of its own.
+"""
+
+import json
+
+import onnx
+from onnxruntime.capi import _pybind_state as _ort
+
+from .rewrites import NodeBuilder, replace_nodes
+
+
+def _constant(name: str, value: float):
+    """A scalar Constant node of the forward input's element type."""
+    return ("Constant", [], [name], {"value": {"value": value, "dtype": "IElemType(0)", "is_tensor": True}})
+
+
+# torch's hardswish_backward: 0 for x <= -3, grad * (x / 3 + 1/2) strictly between the kinks,
+# grad from 3 on. The branches are selected by multiplying with masks: a Where between two
+# tensors costs ~30 Muls in onnxruntime 1.19, one between constants ~2 (benchmarks/NOTES.md §19).
+_HARD_SWISH_GRADIENT = [
+    _constant("minus_three", -3.0),
+    _constant("three", 3.0),
+    _constant("half", 0.5),
+    _constant("minus_half", -0.5),
+    _constant("zero", 0.0),
+    _constant("one", 1.0),
+    ("LessOrEqual", ["I(0)", "minus_three"], ["at_or_below_low"]),
+    ("Where", ["at_or_below_low", "zero", "one"], ["above_low"]),
+    ("Less", ["I(0)", "three"], ["below_high"]),
+    ("Where", ["below_high", "zero", "minus_half"], ["past_high"]),
+    ("Clip", ["I(0)", "minus_three", "three"], ["clipped"]),  # finite for x = ±inf
+    ("Div", ["clipped", "three"], ["third"]),
+    ("Add", ["third", "half"], ["curve"]),  # 1.5 from 3 on
+    ("Add", ["curve", "past_high"], ["slope_above_low"]),
+    ("Mul", ["slope_above_low", "above_low"], ["slope"]),
+    ("Mul", ["GO(0)", "slope"], ["GI(0)"]),
+]
+
+GRADIENT_DEFINITIONS = {"HardSwish": _HARD_SWISH_GRADIENT}
+
+_registered = set()
+
+
+def _node_definition(op_type, inputs, outputs, attributes=None):
+    definition = _ort.GradientNodeDefinition()
+    definition.op_type, definition.domain, definition.inputs, definition.outputs = op_type, "", inputs, outputs
+    definition.attributes = [_attribute_definition(name, value) for name, value in (attributes or {}).items()]
+    return definition
+
+
+def _attribute_definition(name: str, value: dict):
+    definition = _ort.GradientNodeAttributeDefinition()
+    definition.name, definition.value_json = name, json.dumps(value["value"])
+    definition.dtype, definition.is_tensor = value["dtype"], value.get("is_tensor", False)
+    return definition
+
+
+def register_gradient_definitions() -> None:
+    """Give the gradient builder the definitions above (once per process)."""
+    for op_type, nodes in GRADIENT_DEFINITIONS.items():
+        if op_type not in _registered:
+            _ort.register_gradient_definition(f"::{op_type}", [_node_definition(*node) for node in nodes])
+            _registered.add(op_type)
+
+
+def _torch_hard_swish(build: NodeBuilder):
+    """x * min(max(x + 3, 0), 6) / 6, torch's hardswish in its order of operations (same rounding)."""
+    x = build.node.input[0]
+    gate = build.op("Clip", [build.op("Add", [x, build.const(3.0)]), build.const(0.0), build.const(6.0)])
+    build.op("Div", [build.op("Mul", [x, gate]), build.const(6.0)], build.node.output[0])
+
+
+_TORCH_FORWARDS = {"HardSwish": _torch_hard_swish}
+
+
+def spell_forwards(model: onnx.ModelProto) -> list:
+    """Replace, in place, each forward node of an op with a defined gradient by torch's formula; return their names."""
+    targets = [node for node in model.graph.node if node.op_type in _TORCH_FORWARDS and node.domain in ("", "ai.onnx")]
+    return replace_nodes(model, _TORCH_FORWARDS, targets)
