@@ -9,6 +9,7 @@ includes backward. A GEMM ceiling measured in the same run puts GFLOP/s in conte
     python benchmarks/bench.py            # full run, writes benchmarks/results/bench.{json,md,png}
     python benchmarks/bench.py --quick    # seconds; what CI runs (checks it works, not timings)
     python benchmarks/bench.py --only resnet,gpt --rounds 3   # some workloads, fewer rounds
+    python benchmarks/bench.py --zoo      # the test zoo's models, eager and orttrainer: results/zoo.{json,md,png}
 """
 
 import argparse
@@ -28,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from on_device import on_device_training  # noqa: E402
-from workloads import WORKLOADS, Workload  # noqa: E402
+from workloads import WORKLOADS, Workload, zoo_workloads  # noqa: E402
 
 CONTENDERS = ["torch eager", "torch.compile", "orttrainer", "on-device ORT API", "ORTModule"]
 ADAMW = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
@@ -58,6 +59,14 @@ class _Timed:
         return result
 
 
+def _loss(forward, workload, batch):
+    """The workload's loss of ``batch``: its loss_fn on the output, or, for a batch of keywords
+    (a Hugging Face model's, labels included), the loss the model returns."""
+    if isinstance(batch, dict):
+        return forward(**batch).loss
+    return workload.loss_fn(forward(*batch[:-1]), batch[-1])
+
+
 def _torch_step(model, workload, compiled):
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
     forward = torch.compile(model) if compiled else model
@@ -65,7 +74,7 @@ def _torch_step(model, workload, compiled):
 
     def step(batch):
         optimizer.zero_grad(set_to_none=True)
-        workload.loss_fn(forward(*batch[:-1]), batch[-1]).backward()
+        _loss(forward, workload, batch).backward()
         timed_update()
 
     return step, timed_update
@@ -83,7 +92,10 @@ def _orttrainer_step(model, workload, options=None):
     timed = {}
 
     def step(batch):
-        trainer.train_step(*batch)
+        if isinstance(batch, dict):
+            trainer.train_step(**batch)
+        else:
+            trainer.train_step(*batch)
         if not timed:  # the optimizer exists after the first step
             timed["update"] = trainer._optimizer.step = _Timed(trainer._optimizer.step)
 
@@ -156,7 +168,7 @@ def _make_step(contender, workload, batch, options=None):
 
 
 # ---------------------------------------------------------------------------- worker
-def _worker(connection, workload_index, contender, warmup, quick, options=None):
+def _worker(connection, workload_index, contender, warmup, suite, options=None):
     """Build one contender, warm it up, then time rounds on request; report peak RSS last."""
     import warnings
 
@@ -168,7 +180,7 @@ def _worker(connection, workload_index, contender, warmup, quick, options=None):
     import onnxruntime
 
     onnxruntime.set_default_logger_severity(3)
-    workload = _workloads(quick)[workload_index]
+    workload = _workloads(suite)[workload_index]
     generator = torch.Generator().manual_seed(0)
     batches = [workload.make_batch(generator) for _ in range(4)]
     stderr = os.dup(2)
@@ -198,9 +210,16 @@ def _worker(connection, workload_index, contender, warmup, quick, options=None):
     connection.send({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
 
 
-def _workloads(quick):
-    if quick:
+SUITES = ("full", "quick", "zoo")
+
+
+def _workloads(suite):
+    """The workloads of a suite: "full" (workloads.py and the 1-element model), "quick" (two of
+    them, for CI), "zoo" (the test zoo's models)."""
+    if suite == "quick":
         return [WORKLOADS[1], _tiny_workload()]
+    if suite == "zoo":
+        return zoo_workloads()
     return WORKLOADS + [_tiny_workload()]
 
 
@@ -234,29 +253,29 @@ def _seconds(run, repeats) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def step_gflop(workload_index, quick):
+def step_gflop(workload_index, suite):
     """FLOPs of one forward + backward, counted by torch on the eager model, in a process of its own:
     a spawned worker starts with the peak RSS of its parent, so the parent must stay small."""
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_step_gflop, (workload_index, quick))
+        return pool.apply(_step_gflop, (workload_index, suite))
 
 
-def _step_gflop(workload_index, quick):
+def _step_gflop(workload_index, suite):
     from torch.utils.flop_counter import FlopCounterMode
 
-    workload = _workloads(quick)[workload_index]
+    workload = _workloads(suite)[workload_index]
     torch.manual_seed(0)
     model = workload.make_model()
     batch = workload.make_batch(torch.Generator().manual_seed(0))
     with FlopCounterMode(display=False) as counter:
-        workload.loss_fn(model(*batch[:-1]), batch[-1]).backward()
+        _loss(model, workload, batch).backward()
     return counter.get_total_flops() / 1e9
 
 
-def measure(workload_index, workload, rounds, steps, warmup, quick, env, contenders=None):
-    """{label: result} for one workload, rounds interleaved across the workers. ``contenders``:
+def measure(workload_index, workload, rounds, steps, warmup, suite, env, contenders=None):
+    """{label: result} for one workload of ``suite``, rounds interleaved across the workers. ``contenders``:
     {label: (contender, orttrainer options or None)}, by default every one of CONTENDERS."""
-    contenders = contenders or {name: (name, None) for name in CONTENDERS if not (quick and name == "torch.compile")}
+    contenders = contenders or {name: (name, None) for name in CONTENDERS if not (suite == "quick" and name == "torch.compile")}
     context = multiprocessing.get_context("spawn")
     saved = dict(os.environ)
     os.environ.update(env)
@@ -264,7 +283,7 @@ def measure(workload_index, workload, rounds, steps, warmup, quick, env, contend
     try:
         for label, (contender, options) in contenders.items():
             parent, child = context.Pipe()
-            process = context.Process(target=_worker, args=(child, workload_index, contender, warmup, quick, options),
+            process = context.Process(target=_worker, args=(child, workload_index, contender, warmup, suite, options),
                                       daemon=True)  # fmt: skip
             process.start()
             workers[label] = (parent, process)
@@ -310,17 +329,24 @@ def summarize(results, gflop):
     return summary
 
 
+def _contenders_in(report):
+    """The CONTENDERS measured in ``report``, in CONTENDERS' order."""
+    measured = {contender for workloads in report["variants"].values() for summary in workloads.values() for contender in summary}
+    return [contender for contender in CONTENDERS if contender in measured]
+
+
 def markdown(report):
     torch_gemm, onnxruntime_gemm = report["gemm_gflops"]
+    contenders = _contenders_in(report)
     lines = [f"Measured {report['date']} on {report['machine']}, {report['threads']} torch threads; "
              f"GEMM ceiling (1024x1024x1024 float32, best of 7) torch {torch_gemm:.0f}, ONNX Runtime "
              f"{onnxruntime_gemm:.0f} GFLOP/s. ms per train step (forward, backward, AdamW): "
              "median [min-max], ratio to eager, optimizer ms, peak RSS MB, achieved GFLOP/s."]
     for variant, workloads in report["variants"].items():
-        lines += ["", f"**{variant}**", "", "| workload | " + " | ".join(CONTENDERS) + " |", "|---" * (len(CONTENDERS) + 1) + "|"]
+        lines += ["", f"**{variant}**", "", "| workload | " + " | ".join(contenders) + " |", "|---" * (len(contenders) + 1) + "|"]
         for workload, summary in workloads.items():
             cells = []
-            for contender in CONTENDERS:
+            for contender in contenders:
                 entry = summary.get(contender)
                 if entry is None:
                     cells.append("not run")
@@ -348,13 +374,14 @@ def bar_chart(report, path):
 
     variant, workloads = next(iter(report["variants"].items()))
     names = [name for name in workloads if "overhead" not in name]
+    contenders = _contenders_in(report)
     figure, axes = plt.subplots(figsize=(9, 4))
-    width = 0.8 / len(CONTENDERS)
-    for index, contender in enumerate(CONTENDERS):
+    width = 0.8 / len(contenders)
+    for index, contender in enumerate(contenders):
         ratios = [workloads[name].get(contender, {}).get("vs_eager", 0) for name in names]
         axes.bar([i + index * width for i in range(len(names))], ratios, width, label=contender)
     axes.axhline(1.0, color="gray", linestyle="--")
-    axes.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, fontsize=8)
+    axes.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, fontsize=8, rotation=20, ha="right")
     axes.set_ylabel("step time / torch eager (lower is faster)")
     axes.set_title(variant)
     axes.legend(fontsize=8)
@@ -370,26 +397,31 @@ def main():
     parser.add_argument("--steps", type=int, default=10, help="steps per round")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--only", default="", help="comma-separated substrings of the workload names to run (default: all)")
+    parser.add_argument("--zoo", action="store_true", help="the test zoo's models, torch eager against orttrainer, tuned malloc")
     args = parser.parse_args()
     chosen = [name.strip().lower() for name in args.only.split(",") if name.strip()]
+    suite = "quick" if args.quick else "zoo" if args.zoo else "full"
     rounds, steps, warmup = (2, 3, 2) if args.quick else (args.rounds, args.steps, 5)
-    variants = {"default malloc": {}} if args.quick else {"default malloc": {}, "tuned malloc (" + " ".join(f"{k}={v}" for k, v in TUNED_MALLOC.items()) + ")": TUNED_MALLOC}
+    tuned = {"tuned malloc (" + " ".join(f"{k}={v}" for k, v in TUNED_MALLOC.items()) + ")": TUNED_MALLOC}
+    variants = {"quick": {"default malloc": {}}, "zoo": tuned, "full": {"default malloc": {}, **tuned}}[suite]
+    contenders = {name: (name, None) for name in ("torch eager", "orttrainer")} if args.zoo else None
     report = {"date": date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
               "threads": torch.get_num_threads(), "gemm_gflops": gemm_ceiling_gflops(), "variants": {}}
     for variant, env in variants.items():
         report["variants"][variant] = {}
-        for index, workload in enumerate(_workloads(args.quick)):
+        for index, workload in enumerate(_workloads(suite)):
             if chosen and not any(name in workload.name.lower() for name in chosen):
                 continue
             print(f"{variant}: {workload.name} ...", flush=True)
-            results = measure(index, workload, rounds, steps, warmup, args.quick, env)
-            report["variants"][variant][workload.name] = summarize(results, step_gflop(index, args.quick))
+            results = measure(index, workload, rounds, steps, warmup, suite, env, contenders)
+            report["variants"][variant][workload.name] = summarize(results, step_gflop(index, suite))
     table = markdown(report)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench.json").write_text(json.dumps(report, indent=1))
-    (args.out / "bench.md").write_text(table + "\n")
-    bar_chart(report, args.out / "bench.png")
+    stem = "zoo" if args.zoo else "bench"
+    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1))
+    (args.out / f"{stem}.md").write_text(table + "\n")
+    bar_chart(report, args.out / f"{stem}.png")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ def main():
     for index, workload in enumerate(WORKLOADS):
         if not any(name in workload.name.lower() for name in chosen):
             continue
-        results = measure(index, workload, args.rounds, args.steps, 5, False, TUNED_MALLOC, contenders)
+        results = measure(index, workload, args.rounds, args.steps, 5, "full", TUNED_MALLOC, contenders)
         eager = statistics.median(results["torch eager"]["durations"])
         print(workload.name)
         for label, result in results.items():

@@ -1,11 +1,16 @@
 """The benchmark workloads (issue 7's table): model, loss, batch, same for every contender."""
 
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import zoo  # noqa: E402  (the test zoo's models: one definition for the tests and the benchmarks)
 
 
 class MLP(nn.Module):
@@ -18,13 +23,14 @@ class MLP(nn.Module):
 
 
 class Encoder(nn.Module):
-    """A 2-layer BERT-like encoder: d_model 256, 4 heads, FFN 1024, sequence 64, vocab 1000."""
+    """A 2-layer BERT-like encoder: d_model 256, 4 heads, FFN 1024, sequence 64, vocab 1000, GELU."""
 
-    def __init__(self, vocab=1000, d_model=256, layers=2, seq=64):
+    def __init__(self, vocab=1000, d_model=256, layers=2, seq=64, dropout=0.0):
         super().__init__()
         self.tokens = nn.Embedding(vocab, d_model)
         self.positions = nn.Parameter(torch.zeros(1, seq, d_model))
-        layer = nn.TransformerEncoderLayer(d_model, 4, 4 * d_model, dropout=0.0, batch_first=True, activation="gelu")
+        layer = nn.TransformerEncoderLayer(d_model, 4, 4 * d_model, dropout=dropout, batch_first=True,
+                                           activation="gelu")  # fmt: skip
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = nn.Linear(d_model, vocab)
 
@@ -44,70 +50,15 @@ class LeNet(nn.Module):
         return self.head(self.features(images).flatten(1))
 
 
-def _conv_bn(inputs, outputs, kernel=3, stride=1, groups=1):
-    return nn.Sequential(nn.Conv2d(inputs, outputs, kernel, stride, kernel // 2, groups=groups, bias=False),
-                         nn.BatchNorm2d(outputs))
+def ResNet():
+    """A CIFAR ResNet (the zoo's, tests/zoo.py): 3x3 stem, three stages of two basic blocks (widths 16, 32, 64)."""
+    return zoo.ResNet(classes=10, widths=(16, 32, 64))
 
 
-class BasicBlock(nn.Module):
-    """ResNet's basic block: two 3x3 conv + BatchNorm, the shortcut projected when the shape changes."""
-
-    def __init__(self, inputs, outputs, stride=1):
-        super().__init__()
-        self.conv1, self.conv2 = _conv_bn(inputs, outputs, stride=stride), _conv_bn(outputs, outputs)
-        self.shortcut = _conv_bn(inputs, outputs, 1, stride) if stride != 1 or inputs != outputs else nn.Identity()
-
-    def forward(self, x):
-        return F.relu(self.conv2(F.relu(self.conv1(x))) + self.shortcut(x))
-
-
-class ResNet(nn.Module):
-    """A CIFAR ResNet: 3x3 stem, three stages of two basic blocks (widths 16, 32, 64), pooled classifier."""
-
-    def __init__(self, widths=(16, 32, 64)):
-        super().__init__()
-        layers, inputs = [_conv_bn(3, widths[0]), nn.ReLU()], widths[0]
-        for stage, width in enumerate(widths):
-            layers += [BasicBlock(inputs, width, 1 if stage == 0 else 2), BasicBlock(width, width)]
-            inputs = width
-        self.features = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten())
-        self.fc = nn.Linear(inputs, 10)
-
-    def forward(self, images):
-        return self.fc(self.features(images))
-
-
-class InvertedResidual(nn.Module):
-    """MobileNetV3's block: 1x1 expansion, depthwise 3x3, squeeze-excitation, 1x1 projection."""
-
-    def __init__(self, inputs, expanded, outputs, stride):
-        super().__init__()
-        self.expand = nn.Sequential(_conv_bn(inputs, expanded, 1), nn.Hardswish())
-        self.depthwise = nn.Sequential(_conv_bn(expanded, expanded, 3, stride, groups=expanded), nn.Hardswish())
-        self.squeeze = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(expanded, expanded // 4, 1), nn.ReLU(),
-                                     nn.Conv2d(expanded // 4, expanded, 1), nn.Hardsigmoid())
-        self.project = _conv_bn(expanded, outputs, 1)
-        self.residual = stride == 1 and inputs == outputs
-
-    def forward(self, x):
-        y = self.depthwise(self.expand(x))
-        y = self.project(y * self.squeeze(y))
-        return x + y if self.residual else y
-
-
-class MobileNetV3(nn.Module):
-    """A MobileNetV3-small-style net for 3x32x32 images: hardswish stem, inverted residuals with
-    squeeze-excitation, 1x1 head conv, pooled classifier."""
-
-    def __init__(self):
-        super().__init__()
-        blocks = [(16, 64, 24, 2), (24, 72, 24, 1), (24, 96, 40, 2), (40, 120, 40, 1), (40, 240, 80, 2)]
-        self.features = nn.Sequential(_conv_bn(3, 16), nn.Hardswish(), *(InvertedResidual(*block) for block in blocks),
-                                      _conv_bn(80, 256, 1), nn.Hardswish(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
-        self.classifier = nn.Sequential(nn.Linear(256, 128), nn.Hardswish(), nn.Linear(128, 10))
-
-    def forward(self, images):
-        return self.classifier(self.features(images))
+def MobileNetV3():
+    """A MobileNetV3-small-style net for 3x32x32 images (the zoo's, tests/zoo.py, larger)."""
+    blocks = ((16, 64, 24, 2), (24, 72, 24, 1), (24, 96, 40, 2), (40, 120, 40, 1), (40, 240, 80, 2))
+    return zoo.MobileNetV3(classes=10, blocks=blocks, stem_stride=1, head=256, hidden=128)
 
 
 class GPT2(nn.Module):
@@ -134,8 +85,8 @@ def lm_loss(logits, labels):
 class Workload:
     name: str
     make_model: Callable
-    loss_fn: Callable
-    make_batch: Callable  # generator -> (inputs..., label)
+    loss_fn: Callable  # None: the batch is keywords, labels included, and the model returns its own loss
+    make_batch: Callable  # generator -> (inputs..., label), or a dict of keywords
 
 
 
@@ -160,8 +111,27 @@ WORKLOADS = [
     Workload("MLP 784-1024-1024-10 (64)", MLP, F.cross_entropy, _vectors(64)),
     Workload("MLP 784-1024-1024-10 (8)", MLP, F.cross_entropy, _vectors(8)),
     Workload("2-layer encoder d256 seq64 (16)", Encoder, lm_loss, _tokens(16)),
+    Workload("2-layer encoder d256 seq64 dropout 0.1 (16)", lambda: Encoder(dropout=0.1), lm_loss, _tokens(16)),
     Workload("LeNet 1x28x28 (64)", LeNet, F.cross_entropy, _images(64)),
     Workload("ResNet basic blocks + BatchNorm 3x32x32 (32)", ResNet, F.cross_entropy, _color_images(32)),
     Workload("MobileNetV3-style 3x32x32 (32)", MobileNetV3, F.cross_entropy, _color_images(32)),
     Workload("HF GPT-2 6x d512 vocab 8000 seq 128 (8)", GPT2, lm_loss, _tokens(8, vocab=8000, seq=128)),
 ]
+
+
+def _zoo_batch(make_batch, shape):
+    return lambda g: make_batch(*shape, generator=g)
+
+
+def zoo_workloads():
+    """The test zoo's models (tests/zoo.py), batch 16 (and 32 tokens): the architectures the parity
+    tests train, at the zoo's tiny widths, so a step is mostly what orttrainer and torch pay per
+    step and per op. The Hugging Face models take keyword batches and return their own loss."""
+    shapes = {"images": (16,), "tokens": (16, 32)}
+    workloads = []
+    for models, loss_fn in ((zoo.TORCH_MODELS, F.cross_entropy), (zoo.HUGGING_FACE_MODELS, None)):
+        for name, (make, make_batch, kind) in models.items():
+            shape = shapes[kind]
+            label = f"zoo {name} ({'x'.join(map(str, shape))})"
+            workloads.append(Workload(label, make, loss_fn, _zoo_batch(make_batch, shape)))
+    return workloads

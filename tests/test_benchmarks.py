@@ -20,11 +20,11 @@ sys.path.insert(0, "benchmarks")
 import bench
 
 bench.CONTENDERS = ["torch eager", "orttrainer"]
-index, workload = 0, bench._workloads(quick=True)[0]
+index, workload = 0, bench._workloads("quick")[0]
 contenders = {"torch eager": ("torch eager", None), "orttrainer": ("orttrainer", {"utils": {"convolution_kernels": "torch"}})}
-results = bench.measure(index, workload, rounds=1, steps=2, warmup=1, quick=True, env={}, contenders=contenders)
+results = bench.measure(index, workload, rounds=1, steps=2, warmup=1, suite="quick", env={}, contenders=contenders)
 report = {"date": "smoke", "machine": "smoke", "threads": 1, "gemm_gflops": bench.gemm_ceiling_gflops(256, 2),
-          "variants": {"default malloc": {workload.name: bench.summarize(results, bench.step_gflop(index, True))}}}
+          "variants": {"default malloc": {workload.name: bench.summarize(results, bench.step_gflop(index, "quick"))}}}
 table = bench.markdown(report)
 print(json.dumps({"report": report, "table": table}))
 """

@@ -76,23 +76,14 @@ def _check_module(tmp_path, model, loss_fn, batches, eval_batch):
             _close(result, wanted, f"ONNX (with_loss={with_loss}) output {index}")
 
 
-IMAGES = [(4,), (3,), (4,)]  # (batch,)
+SHAPES = {"images": [(4,), (3,), (4,)], "tokens": [(4, 7), (3, 10), (4, 7)]}  # (batch,) / (batch, padded length)
 
 
-@pytest.mark.parametrize(
-    "make, make_batch, shapes",
-    [
-        (zoo.ResNet, zoo.image_batch, IMAGES),
-        (zoo.MobileNetV3, zoo.image_batch, IMAGES),
-        (zoo.UNet, zoo.segmentation_batch, IMAGES),
-        (zoo.RecurrentClassifier, zoo.padded_token_batch, [(4, 7), (3, 10), (4, 7)]),  # (batch, padded length)
-    ],
-    ids=["resnet-basic-blocks-batchnorm", "mobilenet-v3-depthwise-hardswish-squeeze-excite",
-         "unet-conv-transpose-batchnorm", "lstm-over-padded-batches-of-changing-length"],
-)  # fmt: skip
-def test_torch_model(tmp_path, make, make_batch, shapes):
+@pytest.mark.parametrize("name", zoo.TORCH_MODELS)
+def test_torch_model(tmp_path, name):
+    make, make_batch, shape_kind = zoo.TORCH_MODELS[name]
     torch.manual_seed(0)
-    batches, eval_batch = _batches(make_batch, shapes)
+    batches, eval_batch = _batches(make_batch, SHAPES[shape_kind])
     _check_module(tmp_path, make(), F.cross_entropy, batches, eval_batch)
 
 
@@ -138,26 +129,13 @@ def _check_hugging_face(tmp_path, model, batches, eval_batch):
             _close(result, wanted[name], f"ONNX (with_loss={with_loss}) {name}")
 
 
-TEXT = [(2, 8), (3, 12), (2, 8)]  # (batch, padded length)
+HUGGING_FACE_SHAPES = {"images": [(2,), (3,), (2,)], "tokens": [(2, 8), (3, 12), (2, 8)]}
 
 
-@pytest.mark.parametrize(
-    "make, make_batch, shapes",
-    [
-        (zoo.bert_masked_lm, zoo.masked_lm_batch, TEXT),
-        (zoo.bert_classifier, zoo.classification_batch, TEXT),
-        (zoo.distilbert_classifier, zoo.classification_batch, TEXT),
-        (zoo.roberta_masked_lm, functools.partial(zoo.masked_lm_batch, pad=1), TEXT),
-        (zoo.gpt2_lm, zoo.causal_lm_batch, TEXT),
-        (zoo.t5_generator, zoo.seq2seq_batch, TEXT),
-        (zoo.bart_generator, functools.partial(zoo.seq2seq_batch, pad=1), TEXT),
-        (zoo.vit_classifier, zoo.vit_batch, [(2,), (3,), (2,)]),
-    ],
-    ids=["bert-masked-lm", "bert-classifier", "distilbert-classifier", "roberta-masked-lm", "gpt2-lm", "t5", "bart",
-         "vit-image-classifier"],
-)  # fmt: skip
-def test_hugging_face_model(tmp_path, make, make_batch, shapes):
+@pytest.mark.parametrize("name", zoo.HUGGING_FACE_MODELS)
+def test_hugging_face_model(tmp_path, name):
     pytest.importorskip("transformers", reason="the Hugging Face zoo needs transformers (the test extra)")
+    make, make_batch, shape_kind = zoo.HUGGING_FACE_MODELS[name]
     torch.manual_seed(0)
-    batches, eval_batch = _batches(make_batch, shapes)
+    batches, eval_batch = _batches(make_batch, HUGGING_FACE_SHAPES[shape_kind])
     _check_hugging_face(tmp_path, make(), batches, eval_batch)

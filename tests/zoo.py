@@ -6,6 +6,8 @@ tiny configs with random weights and every dropout probability 0, so that no dow
 needed and orttrainer and torch draw no random numbers.
 """
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -37,18 +39,22 @@ class BasicBlock(nn.Module):
 
 
 class ResNet(nn.Module):
-    """A ResNet with basic blocks in 2 stages (widths 8 and 16) on 3x16x16 images."""
+    """A ResNet of basic blocks: a 3x3 stem, two blocks per stage of ``widths`` (each stage after the
+    first halves the resolution), pooled classifier. By default 2 stages (widths 8 and 16) for 3x16x16 images."""
 
-    def __init__(self, classes=CLASSES):
+    def __init__(self, classes=CLASSES, widths=(8, 16)):
         super().__init__()
-        self.stem = nn.Sequential(_conv_bn(3, 8), nn.ReLU())
-        self.stage1 = nn.Sequential(BasicBlock(8, 8), BasicBlock(8, 8))
-        self.stage2 = nn.Sequential(BasicBlock(8, 16, stride=2), BasicBlock(16, 16))
+        self.stem = nn.Sequential(_conv_bn(3, widths[0]), nn.ReLU())
+        stages, inputs = [], widths[0]
+        for index, width in enumerate(widths):
+            stages.append(nn.Sequential(BasicBlock(inputs, width, stride=1 if index == 0 else 2), BasicBlock(width, width)))
+            inputs = width
+        self.stages = nn.Sequential(*stages)
         self.pool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(16, classes)
+        self.fc = nn.Linear(inputs, classes)
 
     def forward(self, images):
-        return self.fc(self.pool(self.stage2(self.stage1(self.stem(images)))).flatten(1))
+        return self.fc(self.pool(self.stages(self.stem(images))).flatten(1))
 
 
 class SqueezeExcite(nn.Module):
@@ -81,15 +87,17 @@ class InvertedResidual(nn.Module):
 
 
 class MobileNetV3(nn.Module):
-    """A MobileNetV3-style net on 3x16x16 images: hardswish stem, inverted residuals with
-    squeeze-excitation, 1x1 head conv, pooled classifier with hardswish."""
+    """A MobileNetV3-style net: hardswish stem, inverted residuals with squeeze-excitation
+    (``blocks``: (inputs, expanded, outputs, stride) each), 1x1 head conv to ``head`` channels,
+    pooled classifier with hardswish. By default sized for 3x16x16 images."""
 
-    def __init__(self, classes=CLASSES):
+    def __init__(self, classes=CLASSES, blocks=((8, 16, 8, 1), (8, 24, 12, 2)), stem_stride=2, head=32, hidden=24):
         super().__init__()
-        self.stem = nn.Sequential(_conv_bn(3, 8, stride=2), nn.Hardswish())
-        self.blocks = nn.Sequential(InvertedResidual(8, 16, 8, stride=1), InvertedResidual(8, 24, 12, stride=2))
-        self.head = nn.Sequential(_conv_bn(12, 32, kernel=1), nn.Hardswish(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
-        self.classifier = nn.Sequential(nn.Linear(32, 24), nn.Hardswish(), nn.Linear(24, classes))
+        self.stem = nn.Sequential(_conv_bn(3, blocks[0][0], stride=stem_stride), nn.Hardswish())
+        self.blocks = nn.Sequential(*(InvertedResidual(*block) for block in blocks))
+        self.head = nn.Sequential(_conv_bn(blocks[-1][2], head, kernel=1), nn.Hardswish(), nn.AdaptiveAvgPool2d(1),
+                                  nn.Flatten())  # fmt: skip
+        self.classifier = nn.Sequential(nn.Linear(head, hidden), nn.Hardswish(), nn.Linear(hidden, classes))
 
     def forward(self, images):
         return self.classifier(self.head(self.blocks(self.stem(images))))
@@ -275,3 +283,26 @@ def vit_classifier():
                                     num_attention_heads=2, intermediate_size=37, hidden_dropout_prob=0.0,
                                     attention_probs_dropout_prob=0.0, num_labels=3)  # fmt: skip
     return transformers.ViTForImageClassification(config)
+
+
+# ------------------------------------------------------------------ the zoo, listed
+# name: (model factory, batch factory, what the batch factory's shape is). A batch factory takes
+# (batch,) for "images" and (batch, padded length) for "tokens", then generator=. The torch
+# models return class scores for F.cross_entropy; the Hugging Face ones take the batch as
+# keywords, labels included, and return a ModelOutput with their own loss.
+TORCH_MODELS = {
+    "resnet-basic-blocks-batchnorm": (ResNet, image_batch, "images"),
+    "mobilenet-v3-depthwise-hardswish-squeeze-excite": (MobileNetV3, image_batch, "images"),
+    "unet-conv-transpose-batchnorm": (UNet, segmentation_batch, "images"),
+    "lstm-over-padded-batches-of-changing-length": (RecurrentClassifier, padded_token_batch, "tokens"),
+}
+HUGGING_FACE_MODELS = {
+    "bert-masked-lm": (bert_masked_lm, masked_lm_batch, "tokens"),
+    "bert-classifier": (bert_classifier, classification_batch, "tokens"),
+    "distilbert-classifier": (distilbert_classifier, classification_batch, "tokens"),
+    "roberta-masked-lm": (roberta_masked_lm, functools.partial(masked_lm_batch, pad=1), "tokens"),
+    "gpt2-lm": (gpt2_lm, causal_lm_batch, "tokens"),
+    "t5": (t5_generator, seq2seq_batch, "tokens"),
+    "bart": (bart_generator, functools.partial(seq2seq_batch, pad=1), "tokens"),
+    "vit-image-classifier": (vit_classifier, vit_batch, "images"),
+}
