@@ -404,7 +404,7 @@ def _build(onnx_model, model_desc, weights, trainable, options, device, provider
     mixed_precision = options.mixed_precision.enabled
     graphs = graph.build_training_graphs(
         onnx_model, trainable, frozen, model_desc.loss_output.name, [entry.name for entry in model_desc.outputs],
-        mixed_precision, fast_cpu_kernels=device.type == "cpu", lookups=lookups, facts=facts,
+        mixed_precision, on_cpu=device.type == "cpu", lookups=lookups, facts=facts,
     )  # fmt: skip
     _save_debug_graphs(graphs, options.debug.graph_save_paths)
     one_thread = device.type == "cpu" and graph.small_convolutions_dominate(onnx_model, facts)

@@ -1,4 +1,5 @@
-"""Replace slow onnxruntime-training CPU kernels in a training graph by fast equivalents.
+"""Replace onnxruntime-training CPU kernels in a training graph: slow ones by fast equivalents,
+and ones that round differently from torch's by exact ones.
 
 Some kernels of onnxruntime-training 1.19 are scalar, single-threaded loops on the CPU,
 several times slower than the same arithmetic spelled with ONNX Runtime's vectorised
@@ -10,6 +11,9 @@ also at boundary values (-inf logits, ignored labels, NaN), in tests/test_bounda
 Before the gradient is built, ``pool_before_relu`` also moves ReLUs behind the max pools they feed,
 so that they and their gradients work on pooled tensors. Only CPU float32 training graphs
 are rewritten: other providers have fast kernels of their own.
+
+``use_exact_cpu_kernels`` (also CPU float32 graphs) replaces kernels whose values differ from
+torch's beyond rounding (docs/stack_facts.md, "Kernels that differ from torch"): the Sigmoid.
 """
 
 import math
@@ -196,6 +200,19 @@ FAST_CPU_KERNELS = {
 }
 
 
+def exact_sigmoid(build: NodeBuilder):
+    """Sigmoid as torch computes it, 1 / (1 + exp(-x)). ONNX Runtime's CPU kernel approximates it
+    with an absolute, not relative, error: 0.8% off at x = -11.8, and it clamps near -17.5 (0 from
+    about -20, where torch gives 2e-9), so log(sigmoid(x)) and a BCELoss on it differ by tens and
+    their gradients vanish (docs/stack_facts.md). The gradient (SigmoidGrad) reads this output."""
+    x = build.node.input[0]
+    denominator = build.op("Add", [build.op("Exp", [build.op("Neg", [x])]), build.const(1.0)])
+    build.op("Reciprocal", [denominator], build.node.output[0])
+
+
+EXACT_CPU_KERNELS = {"Sigmoid": exact_sigmoid}
+
+
 def pool_before_relu(model: onnx.ModelProto) -> int:
     """Swap, in place, Relu -> MaxPool into MaxPool -> Relu; return how many were swapped.
 
@@ -235,3 +252,9 @@ def use_fast_cpu_kernels(model: onnx.ModelProto) -> list:
         return []
     targets = [node for node in model.graph.node if node.op_type in FAST_CPU_KERNELS]
     return replace_nodes(model, FAST_CPU_KERNELS, targets)
+
+
+def use_exact_cpu_kernels(model: onnx.ModelProto) -> list:
+    """Replace, in place, every node :data:`EXACT_CPU_KERNELS` knows; return their names."""
+    targets = [node for node in model.graph.node if node.op_type in EXACT_CPU_KERNELS and node.domain in ("", "ai.onnx")]
+    return replace_nodes(model, EXACT_CPU_KERNELS, targets)

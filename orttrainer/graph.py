@@ -607,15 +607,16 @@ def _quiet_session_options() -> onnxruntime.SessionOptions:
 
 
 def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name: str, output_names,
-                          mixed_precision: bool = False, fast_cpu_kernels: bool = False, lookups=None,
+                          mixed_precision: bool = False, on_cpu: bool = False, lookups=None,
                           facts: TensorFacts = None) -> TrainingGraphs:
     """Build the training graph (outputs, running stats, gradients) and the eval graph.
 
     ``forward`` is the forward+loss graph with weights as initializers; ``trainable``
     weights get gradients, ``frozen`` ones (buffers included) become inputs without.
     With ``mixed_precision`` both graphs compute in float16, and the gradients are those
-    of the loss times the ``LOSS_SCALE_INPUT`` input. ``fast_cpu_kernels`` replaces kernels
-    measured slow on the CPU by fast equivalents (``cpu_kernels``; float32 graphs only).
+    of the loss times the ``LOSS_SCALE_INPUT`` input. ``on_cpu`` (the graphs run on the CPU)
+    replaces, in float32 graphs, kernels measured slow there by fast equivalents and ones that
+    differ from torch's by exact ones (``cpu_kernels``).
     ``lookups`` ({Gather node name: export.EmbeddingLookup}) carry torch's embedding gradient rules;
     ``facts`` (``infer_tensor_facts(forward)``), when the caller has them, spare an inference.
     """
@@ -630,7 +631,7 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
         eval_model = to_mixed_precision(eval_model, [loss_name])
 
     make_differentiable(model, trainable, loss_name, facts)
-    if fast_cpu_kernels and not mixed_precision:
+    if on_cpu and not mixed_precision:
         cpu_kernels.pool_before_relu(model)
     input_names = {graph_input.name for graph_input in model.graph.input}
     running_statistics = _expose_running_statistics(model, input_names)
@@ -659,9 +660,10 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     defined_gradients.spell_forwards(eval_model)
     if mixed_precision:
         _float32_gradient_kernels(train_model)
-    elif fast_cpu_kernels:
-        cpu_kernels.use_fast_cpu_kernels(train_model)
-        cpu_kernels.use_fast_cpu_kernels(eval_model)
+    elif on_cpu:
+        for graph_model in (train_model, eval_model):
+            cpu_kernels.use_fast_cpu_kernels(graph_model)
+            cpu_kernels.use_exact_cpu_kernels(graph_model)
     gradient_outputs = _order_outputs(train_model, trainable, graph_trainable, output_names, running_statistics, embeddings)
     return TrainingGraphs(_with_ir_version(train_model), eval_model, gradient_outputs, running_statistics, embeddings)
 

@@ -115,7 +115,7 @@ def run_training_graph(model, values: dict, trainable):
     """Build the trainer's training graph for ``model`` and run it once: ({output or
     ``<name>_grad``: array}, the training graph)."""
     frozen = [name for name in values if name not in trainable]
-    graphs = graph.build_training_graphs(model, list(trainable), frozen, LOSS, [LOSS, "output"], fast_cpu_kernels=True)
+    graphs = graph.build_training_graphs(model, list(trainable), frozen, LOSS, [LOSS, "output"], on_cpu=True)
     session = onnxruntime.InferenceSession(graphs.train.SerializeToString(), providers=["CPUExecutionProvider"])
     wanted = {graph_input.name for graph_input in session.get_inputs()}
     results = session.run(None, {name: np.asarray(value) for name, value in values.items() if name in wanted})

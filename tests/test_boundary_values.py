@@ -65,6 +65,14 @@ def test_rewrite_on_its_domain(op_type):
     assert op_type not in op_types(train), f"{op_type} was not rewritten"
 
 
+def test_sigmoid_tail():
+    """ONNX Runtime's CPU Sigmoid clamps near -17.5 (0 at -20); cpu_kernels.exact_sigmoid has torch's
+    values and gradients down to where exp underflows."""
+    x = edge_values(*spread(1e-8, 120), -17.0, -17.5, -18.0, -20.0, -30.0, -60.0, -87.0, -88.7, -89.0)
+    train = _unary_case("Sigmoid", {}, torch.sigmoid, x)
+    assert "Exp" in op_types(train), "the Sigmoid was not replaced"
+
+
 def test_prelu_slope_and_input():
     x = np.stack([edge_values(-1.0, 2.0)] * 6).reshape(2, 3, -1)
     slope = np.array([[0.25], [-0.5], [0.0]], np.float32)

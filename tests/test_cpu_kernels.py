@@ -167,3 +167,29 @@ def test_relu_before_max_pool_is_swapped_with_torchs_gradients(tmp_path):
     producers = {output: node.op_type for node in graph.node for output in node.output}
     pools = [node for node in graph.node if node.op_type == "MaxPool"]
     assert pools and all(producers[pool.input[0]] == "Conv" for pool in pools), "the ReLU still comes first"
+
+
+class SaturatedClassifier(torch.nn.Module):
+    """Linear -> sigmoid, weights large enough that some probabilities saturate below exp(-17.5)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+        with torch.no_grad():
+            self.linear.weight.mul_(40.0)
+
+    def forward(self, x):
+        return torch.sigmoid(self.linear(x))
+
+
+def test_sigmoid_with_binary_cross_entropy_trains_like_torch_where_it_saturates():
+    """A BCELoss on sigmoid outputs, some logits near -20 to -60: ONNX Runtime's CPU Sigmoid alone gives
+    0 there (loss 100 per element, gradient 0, where torch has -x and a gradient of -1)."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 4, generator=generator), torch.ones(8, 3)) for _ in range(3)]
+    with torch.no_grad():
+        logits = SaturatedClassifier()(batches[0][0]).logit()
+    assert (logits < -17.5).any(), "the batch must reach the saturated tail"
+    run_parity(SaturatedClassifier(), batches, optim.SGDConfig(lr=0.01), lambda p: torch.optim.SGD(p, lr=0.01),
+               loss_fn=F.binary_cross_entropy)  # fmt: skip
