@@ -116,6 +116,8 @@ WORKLOADS = [
     Workload("ResNet basic blocks + BatchNorm 3x32x32 (32)", ResNet, F.cross_entropy, _color_images(32)),
     Workload("MobileNetV3-style 3x32x32 (32)", MobileNetV3, F.cross_entropy, _color_images(32)),
     Workload("HF GPT-2 6x d512 vocab 8000 seq 128 (8)", GPT2, lm_loss, _tokens(8, vocab=8000, seq=128)),
+    Workload("LSTM classifier, embedding 128, hidden 256, seq 32 (16)", lambda: zoo.RecurrentClassifier(width=128, hidden=256),
+             F.cross_entropy, lambda g: zoo.padded_token_batch(16, 32, generator=g)),
 ]
 
 

@@ -425,7 +425,7 @@ def _open_sessions(graphs, device, providers, options, one_thread: bool):
 
     On the CPU, a graph with convolutions runs them on torch's kernels (``utils.convolution_kernels``,
     torch_convolutions.py) unless they are small; the segments between them run on one thread, where ONNX Runtime's
-    second thread would only contend with torch's (benchmarks/NOTES.md §18).
+    second thread would only contend with torch's (benchmarks/NOTES.md §18). LSTMs run on torch's (torch_lstm.py).
     """
     debug = options.debug
     all_threads = session.session_options(
@@ -439,19 +439,19 @@ def _open_sessions(graphs, device, providers, options, one_thread: bool):
         None, debug.deterministic_compute, threads=1
     )
 
-    def open_session(model, convolutions=True):
-        return session.TorchBoundSession(model, device, providers, all_threads if convolutions else one_thread_only)
+    def open_session(model, use_all_threads=True):
+        return session.TorchBoundSession(model, device, providers, all_threads if use_all_threads else one_thread_only)
 
     # "auto": not for graphs of small convolutions (one ONNX Runtime thread runs them as fast, with less memory:
-    # benchmarks/NOTES.md §18); never under mixed precision (float16 convolutions)
+    # benchmarks/NOTES.md §18). LSTMs always (§21). Never under mixed precision (float16 kernels).
     kernels = options.utils.convolution_kernels
-    on_torch = kernels == "torch" or (kernels == "auto" and not one_thread)
-    on_torch = on_torch and device.type == "cpu" and not options.mixed_precision.enabled
-    on_torch = on_torch and not debug.graph_save_paths.model_with_training_graph_after_optimization_path  # one graph to save
+    convolutions = kernels == "torch" or (kernels == "auto" and not one_thread)
+    splits = device.type == "cpu" and not options.mixed_precision.enabled
+    splits = splits and not debug.graph_save_paths.model_with_training_graph_after_optimization_path  # one graph to save
 
     def open_graph(model):
-        if on_torch and torch_convolutions.can_split(model):
-            return torch_convolutions.ConvolutionSplitSession(model, open_session)
+        if splits and torch_convolutions.can_split(model, convolutions):
+            return torch_convolutions.SplitSession(model, open_session, convolutions)
         return open_session(model)
 
     try:

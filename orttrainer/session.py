@@ -253,6 +253,8 @@ class TorchBoundSession:
 
     def bind_input(self, name: str, tensor: torch.Tensor) -> None:
         """Bind a contiguous tensor on the session's device as input ``name``."""
+        if not tensor.is_contiguous():  # ONNX Runtime would read its storage as if it were (a caller's bug)
+            raise RuntimeError(f"input '{name}' of shape {list(tensor.shape)} is not contiguous in memory")
         self._binding.bind_input(
             name, self._device_type, self._device_index, _NUMPY_DTYPES[tensor.dtype], list(tensor.shape), tensor.data_ptr()
         )

@@ -1,9 +1,9 @@
-"""Run a CPU graph's convolutions with torch's kernels and everything else with ONNX Runtime.
+"""Run a CPU graph's convolutions (and LSTMs, torch_lstm.py) with torch's kernels and everything else with ONNX Runtime.
 
 onnxruntime-training 1.19's CPU ``Conv`` and ``ConvGrad`` kernels (im2col + GEMM) take longer
 than torch's whole step on a ResNet; torch's oneDNN kernels do the same work several times
-faster (benchmarks/NOTES.md §15, §18). :class:`ConvolutionSplitSession` cuts the graph at its
-``Conv`` and ``ConvGrad`` nodes: torch runs those (``aten::convolution`` and
+faster (benchmarks/NOTES.md §15, §18). :class:`SplitSession` cuts the graph at its
+``Conv`` and ``ConvGrad`` nodes (and its ``LSTMTraining`` and ``LSTMGrad`` ones, torch_lstm.py): torch runs those (``aten::convolution`` and
 ``aten::convolution_backward``, with the arguments torch's own ``nn.Conv*d`` and autograd pass),
 and the nodes between them run as ONNX Runtime sessions of their own (segments). Tensors cross
 a boundary without copies: a segment's outputs come back by DLPack, its inputs are bound by
@@ -20,7 +20,7 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
-from . import session
+from . import session, torch_lstm
 
 TORCH_OPS = ("Conv", "ConvGrad")
 _HALF_TYPES = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
@@ -109,16 +109,22 @@ def torch_can_run(node: onnx.NodeProto) -> bool:
     return known and "kernel_shape" in attributes and min(attributes.get("pads", [0])) >= 0
 
 
-def can_split(model: onnx.ModelProto) -> bool:
-    """Whether ``model`` has convolutions torch can take and nothing the split cannot cut (subgraphs,
+def torch_nodes(nodes, convolutions: bool) -> set:
+    """Names of the nodes torch runs: the LSTMs torch can take both ways, and with ``convolutions`` the convolutions."""
+    names = {name for forward, backward in torch_lstm.pairs(nodes).items() for name in (forward, backward.name)}
+    return names | ({node.name for node in nodes if torch_can_run(node)} if convolutions else set())
+
+
+def can_split(model: onnx.ModelProto, convolutions: bool = True) -> bool:
+    """Whether ``model`` has nodes for torch (``torch_nodes``) and nothing the split cannot cut (subgraphs,
     graph outputs that no node computes)."""
     nodes = model.graph.node
-    if not any(torch_can_run(node) for node in nodes):
+    if not torch_nodes(nodes, convolutions):
         return False
     if any(attribute.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in nodes for attribute in n.attribute):
         return False
     if any(graph_input.type.tensor_type.elem_type in _HALF_TYPES for graph_input in model.graph.input):
-        return False  # torch's CPU convolutions are float32 and float64 ones
+        return False  # torch's CPU convolutions and LSTMs here are float32 and float64 ones
     names = [node.name for node in nodes]
     if "" in names or len(set(names)) < len(names):
         return False  # the schedule tells the convolutions on torch by node name
@@ -221,23 +227,26 @@ def _value_info(name: str, tensor: torch.Tensor) -> onnx.ValueInfoProto:
     return helper.make_tensor_value_info(name, session.onnx_elem_type(tensor.dtype), [None] * tensor.dim())
 
 
-class ConvolutionSplitSession:
-    """A graph run as ONNX Runtime segments with torch's convolutions between them.
+class SplitSession:
+    """A graph run as ONNX Runtime segments with torch's convolutions and LSTMs between them.
 
     Same interface as :class:`~orttrainer.session.TorchBoundSession`. ``open_session(model,
-    convolutions)`` opens a segment's TorchBoundSession (``convolutions``: whether ONNX Runtime
-    runs convolutions in it, those torch cannot take, which want all threads). Segments are
-    opened at their first run, when the element types of what they are handed are known.
+    all_threads)`` opens a segment's TorchBoundSession: on all threads where ONNX Runtime runs
+    convolutions in it (those torch cannot take) or torch runs none, else on one (torch's spinning
+    OpenMP threads would contend with the second, NOTES.md §18). With ``convolutions`` False only
+    the LSTMs run on torch. Segments are opened at their first run, when the element types of
+    what they are handed are known.
     """
 
-    def __init__(self, model: onnx.ModelProto, open_session):
-        self._model, self._open_session = model, open_session
+    def __init__(self, model: onnx.ModelProto, open_session, convolutions: bool = True):
+        self._model, self._open_session, self._convolutions = model, open_session, convolutions
         self.input_names = {graph_input.name for graph_input in model.graph.input}
         self.output_names = [output.name for output in model.graph.output]
         self._inputs, self._bound_outputs, self._allocated = {}, {}, []
-        self.on_torch = {node.name for node in model.graph.node if torch_can_run(node)}
+        self._recordings = {}  # what an LSTM's forward step leaves for its gradient step
+        self.on_torch = torch_nodes(model.graph.node, convolutions)
         self._plan()
-        read_on_torch = {name for step in self._steps if isinstance(step, _Convolution) for name in step.inputs}
+        read_on_torch = {name for step in self._steps if not isinstance(step, _Segment) for name in step.inputs}
         # constants a torch step reads (a rewrite's fixed weights); a segment holds its own as initializers
         self._constants = {init.name: torch.from_numpy(numpy_helper.to_array(init).copy())
                            for init in model.graph.initializer if init.name in read_on_torch}  # fmt: skip
@@ -254,15 +263,22 @@ class ConvolutionSplitSession:
             if isinstance(step, list):
                 self._steps.append(self._segment(step, read, [name for name in written if name in needed]))
             else:
-                self._steps.append(_Convolution(step))
+                self._steps.append(self._torch_step(step))
             self._released.append({name for name in written + read if name not in needed and name not in self.input_names})
             needed |= set(read)
         self._steps.reverse()
         self._released.reverse()
 
+    def _torch_step(self, node: onnx.NodeProto):
+        if node.op_type == torch_lstm.FORWARD:
+            return torch_lstm.LstmForward(node, self._recordings)
+        if node.op_type == torch_lstm.BACKWARD:
+            return torch_lstm.LstmBackward(node, self._recordings)
+        return _Convolution(node)
+
     def _segment(self, nodes, inputs, outputs) -> _Segment:
-        convolutions = any(node.op_type in TORCH_OPS for node in nodes)
-        return _Segment(nodes, inputs, outputs, self._model, lambda model: self._open_session(model, convolutions))
+        all_threads = not self._convolutions or any(node.op_type in TORCH_OPS for node in nodes)
+        return _Segment(nodes, inputs, outputs, self._model, lambda model: self._open_session(model, all_threads))
 
     @property
     def segments(self) -> int:

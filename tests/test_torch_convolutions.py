@@ -84,7 +84,7 @@ def test_every_kind_of_convolution_trains_and_evaluates_like_torch():
                                     functools.partial(torch.optim.SGD, lr=LR), loss_fn=F.cross_entropy,
                                     options=kernels("torch"))  # fmt: skip
     session = _last_runtime(trainer).train_session
-    assert isinstance(session, split.ConvolutionSplitSession)
+    assert isinstance(session, split.SplitSession)
     assert len(session.on_torch) == 14  # 7 convolutions (the ConvTranspose's rewrite included) and their gradients
     _assert_evaluates_like(trainer, reference, *_image_batches([3], seed=1)[0])
 
@@ -131,7 +131,7 @@ def test_eval_step_runs_the_convolutions_on_torch_and_matches_the_module():
     trainer.train_step(images, labels)  # lr 0: weights unchanged, BatchNorm statistics updated as torch does
     reference.train()(images)
     _assert_evaluates_like(trainer, reference, images, labels)
-    assert isinstance(_last_runtime(trainer).eval_session, split.ConvolutionSplitSession)
+    assert isinstance(_last_runtime(trainer).eval_session, split.SplitSession)
 
 
 def test_the_choice_of_kernels_is_an_option_with_a_clear_error(tmp_path):
@@ -143,7 +143,7 @@ def test_the_choice_of_kernels_is_an_option_with_a_clear_error(tmp_path):
                             ("auto, small convolutions", cpu_options())]:  # fmt: skip
         trainer = ORTTrainer(zoo.ResNet(), None, optim.SGDConfig(lr=LR), loss_fn=F.cross_entropy, options=options)
         trainer.train_step(*zoo.image_batch(4, generator=torch.Generator().manual_seed(0)))
-        assert not isinstance(_last_runtime(trainer).train_session, split.ConvolutionSplitSession), choice
+        assert not isinstance(_last_runtime(trainer).train_session, split.SplitSession), choice
 
 
 def test_auto_splits_graphs_whose_work_is_in_larger_convolutions():
@@ -154,7 +154,7 @@ def test_auto_splits_graphs_whose_work_is_in_larger_convolutions():
     batches = [(torch.randn(4, 3, 32, 32, generator=generator), torch.randint(0, 10, (4,), generator=generator))]
     trainer, _ = run_parity(model, batches, optim.SGDConfig(lr=LR), functools.partial(torch.optim.SGD, lr=LR),
                             loss_fn=F.cross_entropy)  # fmt: skip
-    assert isinstance(_last_runtime(trainer).train_session, split.ConvolutionSplitSession)
+    assert isinstance(_last_runtime(trainer).train_session, split.SplitSession)
 
 
 @pytest.mark.parametrize("kernel_size, dims", [(2, 2), (4, 2), ((2, 3), 2), (2, 1)])
@@ -224,7 +224,7 @@ def test_size_one_spatial_dims_train_like_torch():
     batches = [(torch.randn(3, 3, 1, 1, generator=generator), torch.randint(0, 2, (3,), generator=generator)) for _ in range(2)]
     trainer, _ = run_parity(model, batches, optim.SGDConfig(lr=LR), functools.partial(torch.optim.SGD, lr=LR),
                             loss_fn=F.cross_entropy, options=kernels("torch"))  # fmt: skip
-    assert isinstance(_last_runtime(trainer).train_session, split.ConvolutionSplitSession)
+    assert isinstance(_last_runtime(trainer).train_session, split.SplitSession)
 
 
 # ------------------------------------------------------------------ the parts on their own
