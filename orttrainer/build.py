@@ -425,7 +425,7 @@ def _open_sessions(graphs, device, providers, options, one_thread: bool):
 
     On the CPU, a graph with convolutions runs them on torch's kernels (``utils.convolution_kernels``,
     torch_convolutions.py) unless they are small; the segments between them run on one thread, where ONNX Runtime's
-    second thread would only contend with torch's (benchmarks/NOTES.md §18). LSTMs run on torch's (torch_lstm.py).
+    second thread would only contend with torch's (benchmarks/NOTES.md §18). LSTMs and GRUs run on torch's (torch_recurrent.py).
     """
     debug = options.debug
     all_threads = session.session_options(
@@ -452,6 +452,8 @@ def _open_sessions(graphs, device, providers, options, one_thread: bool):
     def open_graph(model):
         if splits and torch_convolutions.can_split(model, convolutions):
             return torch_convolutions.SplitSession(model, open_session, convolutions)
+        if device.type == "cpu":
+            graph.refuse_one_direction_kernels(model)
         return open_session(model)
 
     try:

@@ -57,11 +57,13 @@ _SCALED_LOSS = "orttrainer.scaled_loss"
 # and reductions (torch autocast's float32 list), besides the converter's own defaults;
 # Slice, whose gradient has no float16 CPU kernel in ONNX Runtime 1.19; and MaxPool, whose
 # float16 training graph crashes ONNX Runtime 1.19's session creation (segmentation fault);
-# HardSwish, whose forward defined_gradients spells out with float32 constants after the build.
+# HardSwish, whose forward defined_gradients spells out with float32 constants after the build;
+# LSTM and GRU, whose training kernels in onnxruntime-training 1.19 take float32 only.
 _FLOAT32_OPS = [
     "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss", "Softmax", "LogSoftmax", "LayerNormalization",
     "BatchNormalization", "InstanceNormalization", "ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2",
     "ReduceLogSumExp", "Exp", "Log", "Pow", "Sqrt", "Reciprocal", "Div", "CumSum", "Erf", "Slice", "MaxPool", "HardSwish",
+    "LSTM", "GRU",
 ]  # fmt: skip
 
 
@@ -122,6 +124,23 @@ def module_path(node_name: str) -> str:
 def describe_node(node: onnx.NodeProto) -> str:
     where = module_path(node.name)
     return f"{node.op_type} (node '{node.name}'" + (f", module '{where}')" if where else ")")
+
+
+def refuse_one_direction_kernels(model: onnx.ModelProto) -> None:
+    """Raise GradientBuildError for an LSTM or GRU going the other way through its sequence, before
+    onnxruntime-training 1.19's CPU kernels refuse it at session creation (they take the forward
+    direction only, docs/stack_facts.md). Called for training graphs that stay on ONNX Runtime."""
+    for node in model.graph.node:
+        if node.op_type in ("LSTMTraining", "GRUTraining"):
+            direction = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "direction"), b"forward")
+            direction = direction.decode() if isinstance(direction, bytes) else direction
+            if direction != "forward":
+                raise GradientBuildError(
+                    f"{describe_node(node)}: a {direction} {node.op_type[:-len('Training')]} trains only on torch's kernels "
+                    "(onnxruntime-training's go forward only), which orttrainer uses on the CPU in float32; mixed "
+                    "precision and debug.graph_save_paths.model_with_training_graph_after_optimization_path keep the "
+                    "graph on ONNX Runtime's. Train this model without them."
+                )
 
 
 def batch_norm_statistics(model: onnx.ModelProto) -> set:

@@ -1,9 +1,9 @@
-"""Run a CPU graph's convolutions (and LSTMs, torch_lstm.py) with torch's kernels and everything else with ONNX Runtime.
+"""Run a CPU graph's convolutions (and LSTMs and GRUs, torch_recurrent.py) with torch's kernels and everything else with ONNX Runtime.
 
 onnxruntime-training 1.19's CPU ``Conv`` and ``ConvGrad`` kernels (im2col + GEMM) take longer
 than torch's whole step on a ResNet; torch's oneDNN kernels do the same work several times
 faster (benchmarks/NOTES.md §15, §18). :class:`SplitSession` cuts the graph at its
-``Conv`` and ``ConvGrad`` nodes (and its ``LSTMTraining`` and ``LSTMGrad`` ones, torch_lstm.py): torch runs those (``aten::convolution`` and
+``Conv`` and ``ConvGrad`` nodes (and its LSTM and GRU nodes, torch_recurrent.py): torch runs those (``aten::convolution`` and
 ``aten::convolution_backward``, with the arguments torch's own ``nn.Conv*d`` and autograd pass),
 and the nodes between them run as ONNX Runtime sessions of their own (segments). Tensors cross
 a boundary without copies: a segment's outputs come back by DLPack, its inputs are bound by
@@ -20,7 +20,7 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
-from . import session, torch_lstm
+from . import session, torch_recurrent
 
 TORCH_OPS = ("Conv", "ConvGrad")
 _HALF_TYPES = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
@@ -110,8 +110,8 @@ def torch_can_run(node: onnx.NodeProto) -> bool:
 
 
 def torch_nodes(nodes, convolutions: bool) -> set:
-    """Names of the nodes torch runs: the LSTMs torch can take both ways, and with ``convolutions`` the convolutions."""
-    names = {name for forward, backward in torch_lstm.pairs(nodes).items() for name in (forward, backward.name)}
+    """Names of the nodes torch runs: the LSTMs and GRUs torch can take both ways, and with ``convolutions`` the convolutions."""
+    names = {name for forward, backward in torch_recurrent.pairs(nodes).items() for name in (forward, backward.name)}
     return names | ({node.name for node in nodes if torch_can_run(node)} if convolutions else set())
 
 
@@ -124,7 +124,7 @@ def can_split(model: onnx.ModelProto, convolutions: bool = True) -> bool:
     if any(attribute.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in nodes for attribute in n.attribute):
         return False
     if any(graph_input.type.tensor_type.elem_type in _HALF_TYPES for graph_input in model.graph.input):
-        return False  # torch's CPU convolutions and LSTMs here are float32 and float64 ones
+        return False  # torch's CPU kernels here are float32 and float64 ones
     names = [node.name for node in nodes]
     if "" in names or len(set(names)) < len(names):
         return False  # the schedule tells the convolutions on torch by node name
@@ -228,13 +228,13 @@ def _value_info(name: str, tensor: torch.Tensor) -> onnx.ValueInfoProto:
 
 
 class SplitSession:
-    """A graph run as ONNX Runtime segments with torch's convolutions and LSTMs between them.
+    """A graph run as ONNX Runtime segments with torch's convolutions and recurrent layers between them.
 
     Same interface as :class:`~orttrainer.session.TorchBoundSession`. ``open_session(model,
     all_threads)`` opens a segment's TorchBoundSession: on all threads where ONNX Runtime runs
     convolutions in it (those torch cannot take) or torch runs none, else on one (torch's spinning
     OpenMP threads would contend with the second, NOTES.md §18). With ``convolutions`` False only
-    the LSTMs run on torch. Segments are opened at their first run, when the element types of
+    the LSTMs and GRUs run on torch. Segments are opened at their first run, when the element types of
     what they are handed are known.
     """
 
@@ -243,7 +243,7 @@ class SplitSession:
         self.input_names = {graph_input.name for graph_input in model.graph.input}
         self.output_names = [output.name for output in model.graph.output]
         self._inputs, self._bound_outputs, self._allocated = {}, {}, []
-        self._recordings = {}  # what an LSTM's forward step leaves for its gradient step
+        self._recordings = {}  # what a recurrent layer's forward step leaves for its gradient step
         self.on_torch = torch_nodes(model.graph.node, convolutions)
         self._plan()
         read_on_torch = {name for step in self._steps if not isinstance(step, _Segment) for name in step.inputs}
@@ -270,11 +270,11 @@ class SplitSession:
         self._released.reverse()
 
     def _torch_step(self, node: onnx.NodeProto):
-        if node.op_type == torch_lstm.FORWARD:
-            return torch_lstm.LstmForward(node, self._recordings)
-        if node.op_type == torch_lstm.BACKWARD:
-            return torch_lstm.LstmBackward(node, self._recordings)
-        return _Convolution(node)
+        kind = torch_recurrent.KINDS.get(node.op_type)
+        if kind is None:
+            return _Convolution(node)
+        step = torch_recurrent.RecurrentForward if node.op_type == kind.forward else torch_recurrent.RecurrentBackward
+        return step(node, self._recordings)
 
     def _segment(self, nodes, inputs, outputs) -> _Segment:
         all_threads = not self._convolutions or any(node.op_type in TORCH_OPS for node in nodes)

@@ -1,0 +1,169 @@
+"""A training graph's LSTMs and GRUs on torch's kernels, inside a split session (torch_convolutions.py).
+
+onnxruntime-training 1.19's CPU ``LSTMGrad`` and ``GRUGrad`` take several times torch's whole
+step (benchmarks/NOTES.md §21), and its ``GRUTraining`` takes only one direction. The training
+graph's ``LSTMTraining`` / ``GRUTraining`` node runs as torch's ``aten::lstm`` / ``aten::gru``,
+the call ``nn.LSTM`` / ``nn.GRU`` makes, with autograd recording it; its gradient node takes the
+gradients from that recording (``torch.autograd.grad``). Forward and backward are then torch's own,
+and the values ONNX Runtime's kernels would pass between the two (cell states, gate activations)
+are not made.
+
+ONNX orders the gates of an LSTM input, output, forget, cell (torch: i, f, g, o) and of a GRU
+update, reset, hidden (torch: r, z, n), and lays outputs out as [sequence, direction, batch,
+hidden] (torch: [sequence, batch, direction * hidden]). The conversions happen inside the
+recorded computation, so the gradients come back in ONNX's layout.
+"""
+
+from dataclasses import dataclass
+
+import onnx
+import torch
+from onnx import helper
+
+
+@dataclass(frozen=True)
+class _Kind:
+    forward: str  # the training graph's forward op
+    backward: str  # its gradient op
+    forward_inputs: tuple  # roles of the forward node's inputs, in order
+    gradient_inputs: tuple  # roles of the gradient node's inputs
+    gradient_outputs: tuple  # the forward inputs whose gradients the gradient node writes, in order
+    results: int  # outputs torch computes (Y, Y_h[, Y_c]); the forward's later ones are for the gradient node only
+    gates: list  # ONNX's gate chunks in torch's order
+    call: object  # torch.lstm or torch.gru
+    activations: str  # the gate activations the forward's outputs after ``results`` hold: tells a pair apart
+
+
+LSTM = _Kind("LSTMTraining", "LSTMGrad", ("X", "W", "R", "B", "sequence_lens", "initial_h", "initial_c", "P"),
+             ("X", "W", "R", "sequence_lens", "initial_h", "initial_c", "all_hidden", "all_cell", "iofc", "grad_Y",
+              "grad_Y_h", "grad_Y_c"),
+             ("X", "W", "R", "B", "initial_h", "initial_c"), 3, [0, 2, 3, 1], torch.lstm, "iofc")  # fmt: skip
+GRU = _Kind("GRUTraining", "GRUGrad", ("X", "W", "R", "B", "sequence_lens", "initial_h"),
+            ("X", "W", "R", "B", "sequence_lens", "initial_h", "all_hidden", "zrh", "grad_Y", "grad_Y_h"),
+            ("X", "W", "R", "B", "initial_h"), 2, [1, 0, 2], torch.gru, "zrh")  # fmt: skip
+KINDS = {kind.forward: kind for kind in (LSTM, GRU)} | {kind.backward: kind for kind in (LSTM, GRU)}
+_DIRECTIONS = ("forward", "reverse", "bidirectional")
+
+
+def _named(names, roles) -> dict:
+    """{role: tensor name} of a node's inputs or outputs, absent ones left out."""
+    return {role: name for role, name in zip(roles, names) if name}
+
+
+def _attributes(node: onnx.NodeProto) -> dict:
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    direction = attributes.get("direction", b"forward")
+    attributes["direction"] = direction.decode() if isinstance(direction, bytes) else direction
+    return attributes
+
+
+def torch_can_run(node: onnx.NodeProto) -> bool:
+    """A forward or gradient node of an LSTM or GRU torch computes: default activations, no
+    clipping, every sequence the full length; an LSTM without coupled input-forget gate or
+    peepholes, a GRU applying the reset gate after the hidden weights (``nn.GRU``'s form)."""
+    kind = KINDS.get(node.op_type)
+    if kind is None or node.domain != "com.microsoft":
+        return False
+    attributes = _attributes(node)
+    plain = not {"activations", "activation_alpha", "activation_beta", "clip"} & set(attributes)
+    roles = _named(node.input, kind.forward_inputs if node.op_type == kind.forward else kind.gradient_inputs)
+    gates = attributes.get("input_forget", 0) == 0 if kind is LSTM else attributes.get("linear_before_reset", 0) == 1
+    return attributes["direction"] in _DIRECTIONS and plain and gates and not {"sequence_lens", "P"} & set(roles)
+
+
+def pairs(nodes) -> dict:
+    """{forward node name: gradient node} for the LSTMs and GRUs torch can run both ways; the
+    gradient reads the forward's gate activations, which tells them apart, and writes
+    gradients only of inputs the forward has."""
+    forwards = {}
+    for node in nodes:
+        kind = KINDS.get(node.op_type)
+        if kind is not None and node.op_type == kind.forward and len(node.output) > kind.results and node.output[-1]:
+            forwards[node.output[-1]] = node
+    found = {}
+    for node in nodes:
+        kind = KINDS.get(node.op_type)
+        if kind is None or node.op_type != kind.backward:
+            continue
+        activations = _named(node.input, kind.gradient_inputs).get(kind.activations)
+        forward = forwards.get(activations)
+        if forward is None or forward.op_type != kind.forward:
+            continue
+        writes_known = set(_named(node.output, kind.gradient_outputs)) <= set(_named(forward.input, kind.forward_inputs))
+        if torch_can_run(forward) and torch_can_run(node) and writes_known:
+            found[forward.name] = node
+    return found
+
+
+def _torch_order(weights: torch.Tensor, gates) -> torch.Tensor:
+    """ONNX's gate chunks along dimension 0 in torch's order."""
+    chunks = weights.chunk(len(gates))
+    return torch.cat([chunks[index] for index in gates])
+
+
+def recurrent(kind: _Kind, x, w, r, b, initial_states, direction: str, hidden: int):
+    """ONNX's LSTM or GRU (layout 0) computed by torch: (Y, Y_h[, Y_c]) in ONNX's layout.
+
+    ``initial_states``: (initial_h[, initial_c]), each None for zeros.
+    """
+    sequence, batch = x.shape[0], x.shape[1]
+    directions = 2 if direction == "bidirectional" else 1
+    gates = len(kind.gates)
+    params = []
+    for index in range(directions):
+        params += [_torch_order(w[index], kind.gates), _torch_order(r[index], kind.gates)]
+        if b is not None:
+            params += [_torch_order(b[index, : gates * hidden], kind.gates), _torch_order(b[index, gates * hidden :], kind.gates)]
+    zeros = x.new_zeros(directions, batch, hidden)
+    states = tuple(zeros if state is None else state for state in initial_states)
+    inputs = x.flip(0) if direction == "reverse" else x
+    hx = states if kind is LSTM else states[0]
+    output, *last = kind.call(inputs, hx, params, b is not None, 1, 0.0, True, directions == 2, False)
+    if direction == "reverse":
+        output = output.flip(0)
+    return (output.view(sequence, batch, directions, hidden).transpose(1, 2).contiguous(), *last)
+
+
+class RecurrentForward:
+    """An LSTMTraining or GRUTraining node as torch's call, recorded for its gradient step (``recordings``: shared)."""
+
+    def __init__(self, node: onnx.NodeProto, recordings: dict):
+        self.kind, self.node, self.recordings = KINDS[node.op_type], node, recordings
+        attributes = _attributes(node)
+        self.direction, self.hidden = attributes["direction"], attributes["hidden_size"]
+        self.roles = _named(node.input, self.kind.forward_inputs)
+        self.inputs = list(self.roles.values())
+        self.outputs = [name for name in node.output if name]
+
+    def run(self, values: dict) -> dict:
+        states = ("initial_h", "initial_c") if self.kind is LSTM else ("initial_h",)
+        with torch.enable_grad():
+            leaves = {role: values[name].detach().requires_grad_() for role, name in self.roles.items()}
+            results = recurrent(self.kind, leaves["X"], leaves["W"], leaves["R"], leaves.get("B"),
+                                [leaves.get(state) for state in states], self.direction, self.hidden)  # fmt: skip
+        self.recordings[self.node.output[-1]] = (leaves, results)
+        produced = dict(zip(self.node.output[: self.kind.results], (result.detach() for result in results)))
+        placeholder = values[self.roles["X"]].new_empty(0)  # states and gate activations: read only by the gradient step
+        produced.update({name: placeholder for name in self.node.output[self.kind.results :]})
+        return {name: tensor for name, tensor in produced.items() if name}
+
+
+class RecurrentBackward:
+    """An LSTMGrad or GRUGrad node: the gradients of the recorded forward's inputs, by torch's autograd."""
+
+    def __init__(self, node: onnx.NodeProto, recordings: dict):
+        self.kind, self.node, self.recordings = KINDS[node.op_type], node, recordings
+        self.roles = _named(node.input, self.kind.gradient_inputs)
+        self.inputs = list(self.roles.values())
+        self.outputs = [name for name in node.output if name]
+        self.targets = _named(node.output, self.kind.gradient_outputs)  # {forward input role: gradient output name}
+
+    def run(self, values: dict) -> dict:
+        leaves, results = self.recordings.pop(self.roles[self.kind.activations])
+        upstream_roles = ("grad_Y", "grad_Y_h", "grad_Y_c")[: self.kind.results]
+        upstream = [(result, values[self.roles[role]]) for result, role in zip(results, upstream_roles) if role in self.roles]
+        wanted = [(name, leaves[role]) for role, name in self.targets.items()]  # pairs(): the forward has each
+        gradients = torch.autograd.grad([result for result, _ in upstream], [leaf for _, leaf in wanted],
+                                        [gradient for _, gradient in upstream], allow_unused=True)  # fmt: skip
+        return {name: torch.zeros_like(leaf) if gradient is None else gradient
+                for (name, leaf), gradient in zip(wanted, gradients)}  # fmt: skip

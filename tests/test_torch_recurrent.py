@@ -1,0 +1,122 @@
+"""LSTMs and GRUs on torch's kernels inside the training graph (orttrainer/torch_recurrent.py).
+
+The training graph's LSTMTraining/LSTMGrad and GRUTraining/GRUGrad nodes run as torch's
+aten::lstm / aten::gru and their autograd; trained models equal a plain torch loop (loss and
+every state_dict key, step by step). The layout conversions (gate order, directions) are
+checked against ONNX Runtime's own LSTM and GRU kernels.
+"""
+
+import functools
+
+import numpy as np
+import onnxruntime
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from onnx import TensorProto, helper
+from parity import cpu_options, run_parity
+
+from orttrainer import ORTTrainer, optim
+from orttrainer.graph import GradientBuildError
+from orttrainer.torch_convolutions import SplitSession
+from orttrainer.torch_recurrent import GRU, LSTM, recurrent
+
+
+class Tagger(nn.Module):
+    """Embedding -> LSTM or GRU (``lstm`` keyword arguments) -> per-token classes."""
+
+    def __init__(self, initial_state=False, layer=nn.LSTM, **lstm):
+        super().__init__()
+        self.tokens = nn.Embedding(50, 12)
+        self.lstm = layer(12, 10, batch_first=True, **lstm)
+        width = 10 * (2 if lstm.get("bidirectional") else 1)
+        self.head = nn.Linear(width, 5)
+        directions = (2 if lstm.get("bidirectional") else 1) * lstm.get("num_layers", 1)
+        states = 2 if layer is nn.LSTM else 1
+        self.initial = nn.Parameter(torch.randn(states, directions, 1, 10) * 0.1) if initial_state else None
+
+    def forward(self, tokens):
+        if self.initial is None:
+            states, _ = self.lstm(self.tokens(tokens))
+        else:
+            initial = [state.expand(-1, tokens.shape[0], -1).contiguous() for state in self.initial]
+            states, _ = self.lstm(self.tokens(tokens), tuple(initial) if len(initial) == 2 else initial[0])
+        return self.head(states)
+
+
+def _loss(scores, labels):
+    return F.cross_entropy(scores.reshape(-1, scores.shape[-1]), labels.reshape(-1))
+
+
+def _batches(shapes):
+    generator = torch.Generator().manual_seed(3)
+    return [(torch.randint(0, 50, shape, generator=generator), torch.randint(0, 5, shape, generator=generator))
+            for shape in shapes]  # fmt: skip
+
+
+SETTINGS = {"one-layer": {}, "two-layer-bidirectional": {"bidirectional": True, "num_layers": 2}, "no-bias": {"bias": False},
+            "trained-initial-state": {"initial_state": True, "bidirectional": True}}  # fmt: skip
+
+
+@pytest.mark.parametrize("layer", [nn.LSTM, nn.GRU], ids=["lstm", "gru"])
+@pytest.mark.parametrize("name", SETTINGS)
+def test_recurrent_layer_trains_like_torch_on_torchs_kernels(layer, name):
+    """(ONNX Runtime's own GRU gradient takes one direction only: the bidirectional GRU could not train before.)"""
+    settings = {**SETTINGS[name], "layer": layer}
+    torch.manual_seed(0)
+    trainer, _ = run_parity(Tagger(**settings), _batches([(4, 9), (3, 6), (4, 9)]), optim.SGDConfig(lr=0.5),
+                            functools.partial(torch.optim.SGD, lr=0.5), loss_fn=_loss)  # fmt: skip
+    train_session = list(trainer._graphs._graphs.values())[-1].runtime.train_session
+    assert isinstance(train_session, SplitSession), "the gradient must not run on ONNX Runtime's LSTMGrad/GRUGrad"
+    on_torch = {node.op_type for node in train_session._model.graph.node if node.name in train_session.on_torch}
+    kind = LSTM if layer is nn.LSTM else GRU
+    assert on_torch == {kind.forward, kind.backward}, on_torch
+
+
+def test_recurrent_layers_run_on_torch_when_convolutions_are_left_to_onnx_runtime():
+    """``utils.convolution_kernels: "onnxruntime"`` concerns convolutions only."""
+    torch.manual_seed(0)
+    options = cpu_options({"utils": {"convolution_kernels": "onnxruntime"}})
+    run_parity(Tagger(), _batches([(2, 5), (2, 5)]), optim.SGDConfig(lr=0.1), functools.partial(torch.optim.SGD, lr=0.1),
+               loss_fn=_loss, options=options)  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", [LSTM, GRU], ids=["lstm", "gru"])
+@pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
+@pytest.mark.parametrize("with_bias_and_state", [True, False])
+def test_torch_computes_the_onnx_layer(kind, direction, with_bias_and_state):
+    """torch_recurrent.recurrent against ONNX Runtime's LSTM / GRU kernel on the same ONNX-layout weights: Y, Y_h[, Y_c]."""
+    directions, hidden, size, sequence, batch = 2 if direction == "bidirectional" else 1, 6, 4, 7, 3
+    gates, states = len(kind.gates), ["initial_h", "initial_c"][: kind.results - 1]
+    generator = np.random.default_rng(0)
+    values = {"X": generator.standard_normal((sequence, batch, size)), "W": generator.standard_normal((directions, gates * hidden, size)),
+              "R": generator.standard_normal((directions, gates * hidden, hidden)) * 0.5}  # fmt: skip
+    if with_bias_and_state:
+        values["B"] = generator.standard_normal((directions, 2 * gates * hidden))
+        values.update({state: generator.standard_normal((directions, batch, hidden)) for state in states})
+    values = {name: value.astype(np.float32) for name, value in values.items()}
+    order = ["X", "W", "R", "B", "", *states] if with_bias_and_state else ["X", "W", "R"]
+    outputs = ["Y", "Y_h", "Y_c"][: kind.results]
+    extra = {} if kind is LSTM else {"linear_before_reset": 1}  # nn.GRU's form
+    node = helper.make_node(kind.forward.replace("Training", ""), order, outputs, direction=direction, hidden_size=hidden, **extra)
+    graph = helper.make_graph([node], "recurrent", [helper.make_tensor_value_info(name, TensorProto.FLOAT, value.shape)
+                                                     for name, value in values.items()],
+                              [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in outputs])  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    expected = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, values)
+    tensors = {name: torch.from_numpy(value) for name, value in values.items()}
+    actual = recurrent(kind, tensors["X"], tensors["W"], tensors["R"], tensors.get("B"), [tensors.get(state) for state in states],
+                       direction, hidden)  # fmt: skip
+    for name, result, wanted in zip(outputs, actual, expected):
+        # ONNX Runtime's kernel approximates the sigmoid (docs/stack_facts.md): ~1e-6 apart
+        np.testing.assert_allclose(result.numpy(), wanted, atol=2e-5, rtol=1e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("layer", [nn.LSTM, nn.GRU], ids=["lstm", "gru"])
+def test_bidirectional_layer_kept_on_onnx_runtime_is_refused_with_a_clear_error(layer):
+    """Under mixed precision the graph stays on ONNX Runtime, whose LSTM/GRU gradient kernels go forward only."""
+    trainer = ORTTrainer(Tagger(layer=layer, bidirectional=True), None, optim.SGDConfig(lr=0.1), loss_fn=_loss,
+                         options=cpu_options({"mixed_precision": {"enabled": True}}))  # fmt: skip
+    with pytest.raises(GradientBuildError, match=r"module 'lstm'.*bidirectional .* trains only on torch's kernels"):
+        trainer.train_step(*_batches([(2, 5)])[0])
