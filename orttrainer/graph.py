@@ -137,9 +137,9 @@ def refuse_one_direction_kernels(model: onnx.ModelProto) -> None:
             if direction != "forward":
                 raise GradientBuildError(
                     f"{describe_node(node)}: a {direction} {node.op_type[:-len('Training')]} trains only on torch's kernels "
-                    "(onnxruntime-training's go forward only), which orttrainer uses on the CPU in float32; mixed "
-                    "precision and debug.graph_save_paths.model_with_training_graph_after_optimization_path keep the "
-                    "graph on ONNX Runtime's. Train this model without them."
+                    "(onnxruntime-training's go forward only), which orttrainer uses on the CPU in float32 unless "
+                    "mixed precision, debug.graph_save_paths.model_with_training_graph_after_optimization_path or "
+                    "control flow in the graph keeps it on ONNX Runtime's. Train this model without those."
                 )
 
 

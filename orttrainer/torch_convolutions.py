@@ -1,11 +1,13 @@
-"""Run a CPU graph's convolutions (and LSTMs and GRUs, torch_recurrent.py) with torch's kernels and everything else with ONNX Runtime.
+"""Run a CPU graph's convolutions (and LSTMs and GRUs, torch_recurrent.py) with torch's kernels,
+everything else with ONNX Runtime.
 
 onnxruntime-training 1.19's CPU ``Conv`` and ``ConvGrad`` kernels (im2col + GEMM) take longer
 than torch's whole step on a ResNet; torch's oneDNN kernels do the same work several times
 faster (benchmarks/NOTES.md §15, §18). :class:`SplitSession` cuts the graph at its
-``Conv`` and ``ConvGrad`` nodes (and its LSTM and GRU nodes, torch_recurrent.py): torch runs those (``aten::convolution`` and
-``aten::convolution_backward``, with the arguments torch's own ``nn.Conv*d`` and autograd pass),
-and the nodes between them run as ONNX Runtime sessions of their own (segments). Tensors cross
+``Conv`` and ``ConvGrad`` nodes (and its LSTM and GRU nodes, torch_recurrent.py): torch runs
+those (``aten::convolution`` and ``aten::convolution_backward``, with the arguments torch's own
+``nn.Conv*d`` and autograd pass), and the nodes between them run as ONNX Runtime sessions of
+their own (segments). Tensors cross
 a boundary without copies: a segment's outputs come back by DLPack, its inputs are bound by
 pointer. Nodes are scheduled so that every convolution ready at a point runs in the same gap
 between two segments, which keeps the number of segments near the depth of the network.
@@ -110,8 +112,9 @@ def torch_can_run(node: onnx.NodeProto) -> bool:
 
 
 def torch_nodes(nodes, convolutions: bool) -> set:
-    """Names of the nodes torch runs: the LSTMs and GRUs torch can take both ways, and with ``convolutions`` the convolutions."""
-    names = {name for forward, backward in torch_recurrent.pairs(nodes).items() for name in (forward, backward.name)}
+    """Names of the nodes torch runs: the LSTMs and GRUs torch can take (in training, both ways),
+    and with ``convolutions`` the convolutions."""
+    names = torch_recurrent.torch_nodes(nodes)
     return names | ({node.name for node in nodes if torch_can_run(node)} if convolutions else set())
 
 
@@ -273,6 +276,8 @@ class SplitSession:
         kind = torch_recurrent.KINDS.get(node.op_type)
         if kind is None:
             return _Convolution(node)
+        if node.op_type == kind.inference:
+            return torch_recurrent.RecurrentInference(node)
         step = torch_recurrent.RecurrentForward if node.op_type == kind.forward else torch_recurrent.RecurrentBackward
         return step(node, self._recordings)
 

@@ -1,4 +1,4 @@
-"""A training graph's LSTMs and GRUs on torch's kernels, inside a split session (torch_convolutions.py).
+"""A graph's LSTMs and GRUs on torch's kernels, inside a split session (torch_convolutions.py).
 
 onnxruntime-training 1.19's CPU ``LSTMGrad`` and ``GRUGrad`` take several times torch's whole
 step (benchmarks/NOTES.md §21), and its ``GRUTraining`` takes only one direction. The training
@@ -6,7 +6,9 @@ graph's ``LSTMTraining`` / ``GRUTraining`` node runs as torch's ``aten::lstm`` /
 the call ``nn.LSTM`` / ``nn.GRU`` makes, with autograd recording it; its gradient node takes the
 gradients from that recording (``torch.autograd.grad``). Forward and backward are then torch's own,
 and the values ONNX Runtime's kernels would pass between the two (cell states, gate activations)
-are not made.
+are not made. The eval graph's ``LSTM`` / ``GRU`` nodes run as the same call without autograd, so
+evaluation computes what the trained layer computes (ONNX Runtime's kernels use an approximate
+sigmoid, docs/stack_facts.md).
 
 ONNX orders the gates of an LSTM input, output, forget, cell (torch: i, f, g, o) and of a GRU
 update, reset, hidden (torch: r, z, n), and lays outputs out as [sequence, direction, batch,
@@ -23,6 +25,7 @@ from onnx import helper
 
 @dataclass(frozen=True)
 class _Kind:
+    inference: str  # the ONNX op (eval graph)
     forward: str  # the training graph's forward op
     backward: str  # its gradient op
     forward_inputs: tuple  # roles of the forward node's inputs, in order
@@ -34,14 +37,14 @@ class _Kind:
     activations: str  # the gate activations the forward's outputs after ``results`` hold: tells a pair apart
 
 
-LSTM = _Kind("LSTMTraining", "LSTMGrad", ("X", "W", "R", "B", "sequence_lens", "initial_h", "initial_c", "P"),
+LSTM = _Kind("LSTM", "LSTMTraining", "LSTMGrad", ("X", "W", "R", "B", "sequence_lens", "initial_h", "initial_c", "P"),
              ("X", "W", "R", "sequence_lens", "initial_h", "initial_c", "all_hidden", "all_cell", "iofc", "grad_Y",
               "grad_Y_h", "grad_Y_c"),
              ("X", "W", "R", "B", "initial_h", "initial_c"), 3, [0, 2, 3, 1], torch.lstm, "iofc")  # fmt: skip
-GRU = _Kind("GRUTraining", "GRUGrad", ("X", "W", "R", "B", "sequence_lens", "initial_h"),
+GRU = _Kind("GRU", "GRUTraining", "GRUGrad", ("X", "W", "R", "B", "sequence_lens", "initial_h"),
             ("X", "W", "R", "B", "sequence_lens", "initial_h", "all_hidden", "zrh", "grad_Y", "grad_Y_h"),
             ("X", "W", "R", "B", "initial_h"), 2, [1, 0, 2], torch.gru, "zrh")  # fmt: skip
-KINDS = {kind.forward: kind for kind in (LSTM, GRU)} | {kind.backward: kind for kind in (LSTM, GRU)}
+KINDS = {op_type: kind for kind in (LSTM, GRU) for op_type in (kind.inference, kind.forward, kind.backward)}
 _DIRECTIONS = ("forward", "reverse", "bidirectional")
 
 
@@ -58,15 +61,17 @@ def _attributes(node: onnx.NodeProto) -> dict:
 
 
 def torch_can_run(node: onnx.NodeProto) -> bool:
-    """A forward or gradient node of an LSTM or GRU torch computes: default activations, no
-    clipping, every sequence the full length; an LSTM without coupled input-forget gate or
-    peepholes, a GRU applying the reset gate after the hidden weights (``nn.GRU``'s form)."""
+    """An LSTM or GRU node (inference, training forward or gradient) torch computes: default
+    activations, no clipping, sequence first, every sequence the full length; an LSTM without
+    coupled input-forget gate or peepholes, a GRU applying the reset gate after the hidden
+    weights (``nn.GRU``'s form)."""
     kind = KINDS.get(node.op_type)
-    if kind is None or node.domain != "com.microsoft":
+    if kind is None or node.domain != ("com.microsoft" if node.op_type != kind.inference else ""):
         return False
     attributes = _attributes(node)
     plain = not {"activations", "activation_alpha", "activation_beta", "clip"} & set(attributes)
-    roles = _named(node.input, kind.forward_inputs if node.op_type == kind.forward else kind.gradient_inputs)
+    plain = plain and attributes.get("layout", 0) == 0
+    roles = _named(node.input, kind.gradient_inputs if node.op_type == kind.backward else kind.forward_inputs)
     gates = attributes.get("input_forget", 0) == 0 if kind is LSTM else attributes.get("linear_before_reset", 0) == 1
     return attributes["direction"] in _DIRECTIONS and plain and gates and not {"sequence_lens", "P"} & set(roles)
 
@@ -93,6 +98,12 @@ def pairs(nodes) -> dict:
         if torch_can_run(forward) and torch_can_run(node) and writes_known:
             found[forward.name] = node
     return found
+
+
+def torch_nodes(nodes) -> set:
+    """Names of the LSTM and GRU nodes torch runs: training pairs (``pairs``) and inference nodes."""
+    names = {name for forward, backward in pairs(nodes).items() for name in (forward, backward.name)}
+    return names | {node.name for node in nodes if node.op_type in (LSTM.inference, GRU.inference) and torch_can_run(node)}
 
 
 def _torch_order(weights: torch.Tensor, gates) -> torch.Tensor:
@@ -136,7 +147,7 @@ class RecurrentForward:
         self.outputs = [name for name in node.output if name]
 
     def run(self, values: dict) -> dict:
-        states = ("initial_h", "initial_c") if self.kind is LSTM else ("initial_h",)
+        states = ("initial_h", "initial_c")[: self.kind.results - 1]
         with torch.enable_grad():
             leaves = {role: values[name].detach().requires_grad_() for role, name in self.roles.items()}
             results = recurrent(self.kind, leaves["X"], leaves["W"], leaves["R"], leaves.get("B"),
@@ -167,3 +178,23 @@ class RecurrentBackward:
                                         [gradient for _, gradient in upstream], allow_unused=True)  # fmt: skip
         return {name: torch.zeros_like(leaf) if gradient is None else gradient
                 for (name, leaf), gradient in zip(wanted, gradients)}  # fmt: skip
+
+
+class RecurrentInference:
+    """An LSTM or GRU node (the eval graph's) as torch's call, without autograd."""
+
+    def __init__(self, node: onnx.NodeProto):
+        self.kind, self.node = KINDS[node.op_type], node
+        attributes = _attributes(node)
+        self.direction, self.hidden = attributes["direction"], attributes["hidden_size"]
+        self.roles = _named(node.input, self.kind.forward_inputs)
+        self.inputs = list(self.roles.values())
+        self.outputs = [name for name in node.output if name]
+
+    def run(self, values: dict) -> dict:
+        states = ("initial_h", "initial_c")[: self.kind.results - 1]
+        tensors = {role: values[name] for role, name in self.roles.items()}
+        with torch.no_grad():
+            results = recurrent(self.kind, tensors["X"], tensors["W"], tensors["R"], tensors.get("B"),
+                                [tensors.get(state) for state in states], self.direction, self.hidden)  # fmt: skip
+        return {name: result for name, result in zip(self.node.output, results) if name}

@@ -120,3 +120,28 @@ def test_bidirectional_layer_kept_on_onnx_runtime_is_refused_with_a_clear_error(
                          options=cpu_options({"mixed_precision": {"enabled": True}}))  # fmt: skip
     with pytest.raises(GradientBuildError, match=r"module 'lstm'.*bidirectional .* trains only on torch's kernels"):
         trainer.train_step(*_batches([(2, 5)])[0])
+
+
+class Encoder(nn.Module):
+    """The layer's outputs themselves are the model's output (no ONNX Runtime op after them)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer(6, 8, batch_first=True, bidirectional=True)
+
+    def forward(self, x):
+        return self.layer(x)[0]
+
+
+@pytest.mark.parametrize("layer", [nn.LSTM, nn.GRU], ids=["lstm", "gru"])
+def test_eval_step_computes_torchs_layer_bit_for_bit(layer):
+    """The eval graph's LSTM/GRU runs as torch's call too: the same values as the module, to the bit
+    (ONNX Runtime's kernels, with their approximate sigmoid, differ in the last digits)."""
+    torch.manual_seed(0)
+    model = Encoder(layer)
+    x = torch.randn(3, 5, 6) * 3
+    with torch.no_grad():
+        expected = model.eval()(x)
+    trainer = ORTTrainer(model.train(), None, optim.SGDConfig(lr=0.0), loss_fn=lambda y, t: (y * t).sum(), options=cpu_options())
+    output = trainer.eval_step(x, torch.ones_like(expected))[1]
+    assert torch.equal(output, expected), (output - expected).abs().max()
