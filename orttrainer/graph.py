@@ -20,7 +20,7 @@ import onnxruntime
 from onnx import helper, numpy_helper
 from onnxruntime.capi._pybind_state import GradientGraphBuilder, get_optimized_model
 
-from . import cpu_kernels, defined_gradients, rewrites
+from . import cpu_kernels, defined_gradients, rewrites, torch_recurrent
 
 MAX_IR_VERSION = 10  # the highest IR version ONNX Runtime 1.19 loads
 
@@ -132,8 +132,7 @@ def refuse_one_direction_kernels(model: onnx.ModelProto) -> None:
     direction only, docs/stack_facts.md). Called for training graphs that stay on ONNX Runtime."""
     for node in model.graph.node:
         if node.op_type in ("LSTMTraining", "GRUTraining"):
-            direction = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "direction"), b"forward")
-            direction = direction.decode() if isinstance(direction, bytes) else direction
+            direction = torch_recurrent.direction(node)
             if direction != "forward":
                 raise GradientBuildError(
                     f"{describe_node(node)}: a {direction} {node.op_type[:-len('Training')]} trains only on torch's kernels "

@@ -54,10 +54,16 @@ def _named(names, roles) -> dict:
 
 
 def _attributes(node: onnx.NodeProto) -> dict:
+    """A recurrent node's attributes by name, ``direction`` as a str (forward when absent)."""
     attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     direction = attributes.get("direction", b"forward")
     attributes["direction"] = direction.decode() if isinstance(direction, bytes) else direction
     return attributes
+
+
+def direction(node: onnx.NodeProto) -> str:
+    """forward, reverse or bidirectional."""
+    return _attributes(node)["direction"]
 
 
 def torch_can_run(node: onnx.NodeProto) -> bool:
@@ -135,23 +141,40 @@ def recurrent(kind: _Kind, x, w, r, b, initial_states, direction: str, hidden: i
     return (output.view(sequence, batch, directions, hidden).transpose(1, 2).contiguous(), *last)
 
 
-class RecurrentForward:
-    """An LSTMTraining or GRUTraining node as torch's call, recorded for its gradient step (``recordings``: shared)."""
+class RecurrentInference:
+    """An LSTM or GRU node (the eval graph's) as torch's call, without autograd."""
 
-    def __init__(self, node: onnx.NodeProto, recordings: dict):
-        self.kind, self.node, self.recordings = KINDS[node.op_type], node, recordings
+    def __init__(self, node: onnx.NodeProto):
+        self.kind, self.node = KINDS[node.op_type], node
         attributes = _attributes(node)
         self.direction, self.hidden = attributes["direction"], attributes["hidden_size"]
         self.roles = _named(node.input, self.kind.forward_inputs)
         self.inputs = list(self.roles.values())
         self.outputs = [name for name in node.output if name]
 
+    def _compute(self, tensors: dict):
+        """(Y, Y_h[, Y_c]) of the inputs by role."""
+        states = [tensors.get(state) for state in ("initial_h", "initial_c")[: self.kind.results - 1]]
+        return recurrent(self.kind, tensors["X"], tensors["W"], tensors["R"], tensors.get("B"), states, self.direction,
+                         self.hidden)  # fmt: skip
+
     def run(self, values: dict) -> dict:
-        states = ("initial_h", "initial_c")[: self.kind.results - 1]
+        with torch.no_grad():
+            results = self._compute({role: values[name] for role, name in self.roles.items()})
+        return {name: result for name, result in zip(self.node.output, results) if name}
+
+
+class RecurrentForward(RecurrentInference):
+    """An LSTMTraining or GRUTraining node as torch's call, recorded for its gradient step (``recordings``: shared)."""
+
+    def __init__(self, node: onnx.NodeProto, recordings: dict):
+        super().__init__(node)
+        self.recordings = recordings
+
+    def run(self, values: dict) -> dict:
         with torch.enable_grad():
             leaves = {role: values[name].detach().requires_grad_() for role, name in self.roles.items()}
-            results = recurrent(self.kind, leaves["X"], leaves["W"], leaves["R"], leaves.get("B"),
-                                [leaves.get(state) for state in states], self.direction, self.hidden)  # fmt: skip
+            results = self._compute(leaves)
         self.recordings[self.node.output[-1]] = (leaves, results)
         produced = dict(zip(self.node.output[: self.kind.results], (result.detach() for result in results)))
         placeholder = values[self.roles["X"]].new_empty(0)  # states and gate activations: read only by the gradient step
@@ -178,23 +201,3 @@ class RecurrentBackward:
                                         [gradient for _, gradient in upstream], allow_unused=True)  # fmt: skip
         return {name: torch.zeros_like(leaf) if gradient is None else gradient
                 for (name, leaf), gradient in zip(wanted, gradients)}  # fmt: skip
-
-
-class RecurrentInference:
-    """An LSTM or GRU node (the eval graph's) as torch's call, without autograd."""
-
-    def __init__(self, node: onnx.NodeProto):
-        self.kind, self.node = KINDS[node.op_type], node
-        attributes = _attributes(node)
-        self.direction, self.hidden = attributes["direction"], attributes["hidden_size"]
-        self.roles = _named(node.input, self.kind.forward_inputs)
-        self.inputs = list(self.roles.values())
-        self.outputs = [name for name in node.output if name]
-
-    def run(self, values: dict) -> dict:
-        states = ("initial_h", "initial_c")[: self.kind.results - 1]
-        tensors = {role: values[name] for role, name in self.roles.items()}
-        with torch.no_grad():
-            results = recurrent(self.kind, tensors["X"], tensors["W"], tensors["R"], tensors.get("B"),
-                                [tensors.get(state) for state in states], self.direction, self.hidden)  # fmt: skip
-        return {name: result for name, result in zip(self.node.output, results) if name}
