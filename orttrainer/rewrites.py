@@ -17,13 +17,21 @@ import onnx
 from onnx import helper, numpy_helper
 
 
+def node_attributes(node: onnx.NodeProto) -> dict:
+    """``node``'s attributes by name (strings as str)."""
+    return {attribute.name: _decoded(helper.get_attribute_value(attribute)) for attribute in node.attribute}
+
+
 def node_attribute(node: onnx.NodeProto, name: str, default=None):
     """The value of ``node``'s attribute ``name`` (strings as str), or ``default``."""
     for attribute in node.attribute:
         if attribute.name == name:
-            value = helper.get_attribute_value(attribute)
-            return value.decode() if isinstance(value, bytes) else value
+            return _decoded(helper.get_attribute_value(attribute))
     return default
+
+
+def _decoded(value):
+    return value.decode() if isinstance(value, bytes) else value
 
 
 class RewriteError(ValueError):
@@ -151,8 +159,8 @@ def where(build, condition, if_true, if_false, output=None):
     return build.op("Where", [condition, *operands], output)
 
 
-def _mask(build, condition, where=True):
-    """1.0 where ``condition`` is ``where``, else 0.0 (a float tensor), to select a branch by multiplying with it.
+def _mask(build, condition):
+    """1.0 where ``condition`` holds, else 0.0 (a float tensor), to select a branch by multiplying with it.
 
     In onnxruntime-training 1.19 a Where between tensors and its gradient (two more Wheres) cost
     about ten times a Mul, so the frequent activations select this way; the branch must be
@@ -160,7 +168,7 @@ def _mask(build, condition, where=True):
     (nothing to differentiate): ONNX Runtime's bool-to-float Cast and bool Not are scalar loops,
     about 5x slower for the same mask (benchmarks/NOTES.md §18).
     """
-    return build.op("Where", [condition, build.const(1.0 if where else 0.0), build.const(0.0 if where else 1.0)])
+    return build.op("Where", [condition, build.const(1.0), build.const(0.0)])
 
 
 def _nonpositive_part(build, x):
@@ -1003,8 +1011,7 @@ def broadcast_gradient(build):
         return False
     broadcast = _broadcast_inputs(build, shapes, output, expanded)
     inputs = [broadcast.get(index, name) for index, name in enumerate(node.input)]
-    attributes = {attribute.name: helper.get_attribute_value(attribute) for attribute in node.attribute}
-    build.op(node.op_type, inputs, _output(build), **attributes)
+    build.op(node.op_type, inputs, _output(build), **node_attributes(node))
     return True
 
 

@@ -23,6 +23,7 @@ import torch
 from onnx import helper, numpy_helper
 
 from . import session, torch_recurrent
+from .rewrites import node_attributes
 
 TORCH_OPS = ("Conv", "ConvGrad")
 _HALF_TYPES = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
@@ -95,11 +96,8 @@ class _Convolution:
 
 
 def _attributes(node: onnx.NodeProto) -> dict:
-    """A convolution node's attributes by name, ``auto_pad`` as a str (NOTSET when absent)."""
-    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    auto_pad = attributes.get("auto_pad", "NOTSET")
-    attributes["auto_pad"] = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
-    return attributes
+    """A convolution node's attributes by name, ``auto_pad`` NOTSET when absent."""
+    return {"auto_pad": "NOTSET", **node_attributes(node)}
 
 
 def torch_can_run(node: onnx.NodeProto) -> bool:
@@ -130,7 +128,7 @@ def can_split(model: onnx.ModelProto, convolutions: bool = True) -> bool:
         return False  # torch's CPU kernels here are float32 and float64 ones
     names = [node.name for node in nodes]
     if "" in names or len(set(names)) < len(names):
-        return False  # the schedule tells the convolutions on torch by node name
+        return False  # the schedule tells the nodes on torch by name
     produced = {name for node in nodes for name in node.output}
     return all(output.name in produced for output in model.graph.output)
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import onnx
 import torch
-from onnx import helper
+
+from .rewrites import node_attributes
 
 
 @dataclass(frozen=True)
@@ -54,11 +55,8 @@ def _named(names, roles) -> dict:
 
 
 def _attributes(node: onnx.NodeProto) -> dict:
-    """A recurrent node's attributes by name, ``direction`` as a str (forward when absent)."""
-    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    direction = attributes.get("direction", b"forward")
-    attributes["direction"] = direction.decode() if isinstance(direction, bytes) else direction
-    return attributes
+    """A recurrent node's attributes by name, ``direction`` forward when absent."""
+    return {"direction": "forward", **node_attributes(node)}
 
 
 def direction(node: onnx.NodeProto) -> str:
