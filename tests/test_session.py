@@ -105,3 +105,21 @@ def test_threads_set_by_the_user_are_kept():
     segments = _session_threads(_cnn((1, 6, 16), 28), torch.randn(4, 1, 28, 28), user, convolution_kernels="torch")
     assert {threads for graph in segments for threads in graph} == {2}
     assert session_options(threads=1).intra_op_num_threads == 1
+
+
+def test_a_non_contiguous_tensor_is_refused_not_read_as_if_it_were():
+    """IO binding passes a pointer, shape and dtype: a transposed view would be read in the wrong order."""
+    from onnx import TensorProto, helper
+
+    from orttrainer.session import TorchBoundSession
+
+    square = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [2, 3]) for name in ("x", "y")]
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "identity", square[:1], square[1:])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    bound = TorchBoundSession(model, torch.device("cpu"), [("CPUExecutionProvider", {})], session_options())
+    with pytest.raises(RuntimeError, match=r"input 'x' of shape \[2, 3\] is not contiguous"):
+        bound.bind_input("x", torch.arange(6.0).reshape(3, 2).t())
+    x = torch.arange(6.0).reshape(2, 3)  # bound by pointer: kept alive here
+    bound.bind_input("x", x)
+    bound.allocate_outputs(["y"])
+    assert torch.equal(bound.run()[0], x)
