@@ -88,6 +88,7 @@ def module_for_export(model: torch.nn.Module) -> torch.nn.Module:
     running statistics, as in a torch loop). A root module in ``eval()`` is trained in
     ``train()`` mode throughout, as the legacy ORTTrainer did.
     """
+    refuse_weight_dtypes(model)
     refuse_untrainable_modules(model)
     try:
         module = copy.deepcopy(model).cpu()
@@ -112,6 +113,20 @@ def _backward_hook_owners(model: torch.nn.Module) -> list:
         if parameter._backward_hooks or getattr(parameter, "_post_accumulate_grad_hooks", None):
             owners.append(f"parameter '{name}' has a gradient hook")
     return owners
+
+
+def refuse_weight_dtypes(model: torch.nn.Module) -> None:
+    """Refuse trainable weights that are not float32: onnxruntime-training's gradient builder
+    seeds and combines gradients in float32 only, and fails on float64, float16 and bfloat16 weights."""
+    others = [f"'{name}' is {parameter.dtype}" for name, parameter in model.named_parameters()
+              if parameter.requires_grad and parameter.dtype != torch.float32]
+    if others:
+        shown = ", ".join(others[:3]) + (f" (and {len(others) - 3} more)" if len(others) > 3 else "")
+        raise TypeError(
+            f"trainable weights must be float32, and {shown} (ONNX Runtime's gradient builder makes float32 "
+            "gradients only); convert the module with model.float(), and for float16 compute keep float32 weights "
+            "and set mixed_precision.enabled"
+        )
 
 
 def refuse_untrainable_modules(model: torch.nn.Module) -> None:

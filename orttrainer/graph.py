@@ -547,29 +547,33 @@ def to_mixed_precision(model: onnx.ModelProto, keep_float32) -> onnx.ModelProto:
     return _with_ir_version(converted)
 
 
-_NO_FLOAT16_GRADIENT_KERNEL = ("SliceGrad",)
+_NO_FLOAT16_GRADIENT_KERNEL = ("SliceGrad", "SplitTraining")  # SplitTraining: Concat's gradient (an LSTM's weights)
 
 
 def _float32_gradient_kernels(model: onnx.ModelProto) -> None:
     """Run gradient ops that have no float16 CPU kernel in float32.
 
     ONNX Runtime's training transformers move casts across data-movement ops, so a Slice
-    kept in float32 by the converter ends up in float16 anyway; its SliceGrad then fails.
-    The incoming gradient is cast to float32 and the result cast back (CastLike) to the
-    type of the forward node's input, whatever the optimizer left it as.
+    or Concat kept in float32 by the converter can end up in float16 anyway; its gradient
+    then fails at the first run. The incoming gradient is cast to float32 and each result
+    cast back (CastLike) to the type of the forward node's input at its position (Slice's
+    data, Concat's i-th input), whatever the optimizer left it as.
     """
     forward = {node.name: node for node in model.graph.node}
     added = []
     for node in model.graph.node:
         if node.op_type not in _NO_FLOAT16_GRADIENT_KERNEL or "_Grad/" not in node.name:
             continue
-        like = forward[node.name.split("_Grad/")[0]].input[0]
-        gradient_in, gradient_out = node.input[0], node.output[0]
-        node.input[0], node.output[0] = f"{node.name}.float32_in", f"{node.name}.float32_out"
-        added += [
-            helper.make_node("Cast", [gradient_in], [node.input[0]], name=node.input[0], to=onnx.TensorProto.FLOAT),
-            helper.make_node("CastLike", [node.output[0], like], [gradient_out], name=f"{node.name}.cast_back"),
-        ]
+        forward_inputs = forward[node.name.split("_Grad/")[0]].input
+        gradient_in = node.input[0]
+        node.input[0] = f"{node.name}.float32_in"
+        added.append(helper.make_node("Cast", [gradient_in], [node.input[0]], name=node.input[0], to=onnx.TensorProto.FLOAT))
+        for position, gradient_out in enumerate(node.output):
+            if not gradient_out:
+                continue
+            node.output[position] = f"{node.name}.float32_out_{position}"
+            added.append(helper.make_node("CastLike", [node.output[position], forward_inputs[position]], [gradient_out],
+                                          name=f"{node.name}.cast_back_{position}"))
     model.graph.node.extend(added)
 
 

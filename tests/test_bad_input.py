@@ -187,6 +187,17 @@ def test_batchnorm_with_cumulative_average_is_refused():
         trainer.train_step(*cnn_batch())
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+def test_weights_that_are_not_float32_are_refused_with_names(dtype):
+    """ONNX Runtime's gradient builder fails on them with a C++ message naming its own nodes."""
+    model = MLP()
+    model.fc2.to(dtype)
+    trainer = make_trainer(model=model)
+    with pytest.raises(TypeError, match=rf"must be float32, and 'fc2.weight' is {dtype}, 'fc2.bias' is {dtype} .*model.float\(\)"):
+        trainer.train_step(*mlp_batch())
+    assert model.fc2.weight.dtype == dtype
+
+
 @pytest.mark.parametrize(
     "node_name, module",
     [
