@@ -23,7 +23,7 @@ import onnxruntime
 import torch
 from onnx import numpy_helper
 
-from . import export, graph, session, torch_convolutions, verify
+from . import cpu_kernels, export, graph, session, torch_convolutions, verify
 from .model_desc import _ORTTrainerModelDesc, forward_parameters, infer_model_desc
 
 
@@ -402,13 +402,16 @@ def _build(onnx_model, model_desc, weights, trainable, options, device, provider
     the same (then all start from rank 0's weights)."""
     frozen = [name for name in weights if name not in trainable]
     mixed_precision = options.mixed_precision.enabled
+    one_thread = device.type == "cpu" and graph.small_convolutions_dominate(onnx_model, facts)
+    convolutions = _convolutions_on_torch(options, device, one_thread)
+    keep_for_torch = torch_convolutions.GRADIENTS_BETWEEN_CONVOLUTIONS if convolutions and torch_convolutions.runs_convolutions(
+        onnx_model.graph.node) else ()  # fmt: skip
     graphs = graph.build_training_graphs(
         onnx_model, trainable, frozen, model_desc.loss_output.name, [entry.name for entry in model_desc.outputs],
-        mixed_precision, on_cpu=device.type == "cpu", lookups=lookups, facts=facts,
+        mixed_precision, on_cpu=device.type == "cpu", lookups=lookups, facts=facts, keep_for_torch=keep_for_torch,
     )  # fmt: skip
     _save_debug_graphs(graphs, options.debug.graph_save_paths)
-    one_thread = device.type == "cpu" and graph.small_convolutions_dominate(onnx_model, facts)
-    sessions = _open_sessions(graphs, device, providers, options, one_thread)
+    sessions = _open_sessions(graphs, device, providers, options, one_thread, convolutions)
     _record_input_types(model_desc, graphs.eval)
     if scales is None:
         loss_scale = torch.tensor(options.mixed_precision.loss_scaler.loss_scale, device=device) if mixed_precision else None
@@ -420,12 +423,27 @@ def _build(onnx_model, model_desc, weights, trainable, options, device, provider
     return runtime
 
 
-def _open_sessions(graphs, device, providers, options, one_thread: bool):
+def _convolutions_on_torch(options, device, one_thread: bool) -> bool:
+    """Whether a graph's convolutions run on torch's kernels (torch_convolutions.py): on the CPU in float32,
+    by ``utils.convolution_kernels``; "auto": not for graphs of small convolutions (one ONNX Runtime thread
+    runs them as fast, with less memory: benchmarks/NOTES.md §18). Not when the optimized graph is saved
+    (one graph to save)."""
+    kernels = options.utils.convolution_kernels
+    return (
+        device.type == "cpu"
+        and not options.mixed_precision.enabled
+        and not options.debug.graph_save_paths.model_with_training_graph_after_optimization_path
+        and (kernels == "torch" or (kernels == "auto" and not one_thread))
+    )
+
+
+def _open_sessions(graphs, device, providers, options, one_thread: bool, convolutions: bool):
     """(training session, eval session); a training graph ONNX Runtime has no kernel for is named.
 
-    On the CPU, a graph with convolutions runs them on torch's kernels (``utils.convolution_kernels``,
-    torch_convolutions.py) unless they are small; the segments between them run on one thread, where ONNX Runtime's
-    second thread would only contend with torch's (benchmarks/NOTES.md §18). LSTMs and GRUs run on torch's (torch_recurrent.py).
+    On the CPU with ``convolutions`` (``_convolutions_on_torch``), a graph runs its convolutions and the
+    ReLU gradients between them on torch's kernels (torch_convolutions.py); the segments between them run
+    on one thread, where ONNX Runtime's second thread would only contend with torch's (benchmarks/NOTES.md
+    §18). LSTMs and GRUs run on torch's (torch_recurrent.py).
     """
     debug = options.debug
     all_threads = session.session_options(
@@ -442,16 +460,15 @@ def _open_sessions(graphs, device, providers, options, one_thread: bool):
     def open_session(model, use_all_threads=True):
         return session.TorchBoundSession(model, device, providers, all_threads if use_all_threads else one_thread_only)
 
-    # "auto": not for graphs of small convolutions (one ONNX Runtime thread runs them as fast, with less memory:
-    # benchmarks/NOTES.md §18). LSTMs always (§21). Never under mixed precision (float16 kernels).
-    kernels = options.utils.convolution_kernels
-    convolutions = kernels == "torch" or (kernels == "auto" and not one_thread)
-    splits = device.type == "cpu" and not options.mixed_precision.enabled
-    splits = splits and not debug.graph_save_paths.model_with_training_graph_after_optimization_path  # one graph to save
+    # LSTMs always (§21). Never under mixed precision (float16 kernels).
+    cpu_float32 = device.type == "cpu" and not options.mixed_precision.enabled
+    splits = cpu_float32 and not debug.graph_save_paths.model_with_training_graph_after_optimization_path  # one graph to save
 
     def open_graph(model):
         if splits and torch_convolutions.can_split(model, convolutions):
             return torch_convolutions.SplitSession(model, open_session, convolutions)
+        if cpu_float32:
+            cpu_kernels.use_fast_cpu_kernels(model)  # what the build left for torch's kernels
         if device.type == "cpu":
             graph.refuse_one_direction_kernels(model)
         return open_session(model)

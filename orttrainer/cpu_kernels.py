@@ -243,14 +243,15 @@ def pool_before_relu(model: onnx.ModelProto) -> int:
     return swapped
 
 
-def use_fast_cpu_kernels(model: onnx.ModelProto) -> list:
-    """Replace, in place, every node :data:`FAST_CPU_KERNELS` knows; return their names.
+def use_fast_cpu_kernels(model: onnx.ModelProto, keep_op_types=()) -> list:
+    """Replace, in place, every node :data:`FAST_CPU_KERNELS` knows, but those of ``keep_op_types``
+    (which torch's kernels will run); return their names.
 
     Graphs older than opset 15 (no CastLike) are left as they are.
     """
     if opset(model) < 15:
         return []
-    targets = [node for node in model.graph.node if node.op_type in FAST_CPU_KERNELS]
+    targets = [node for node in model.graph.node if node.op_type in FAST_CPU_KERNELS and node.op_type not in keep_op_types]
     return replace_nodes(model, FAST_CPU_KERNELS, targets)
 
 

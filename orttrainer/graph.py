@@ -630,7 +630,7 @@ def _quiet_session_options() -> onnxruntime.SessionOptions:
 
 def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name: str, output_names,
                           mixed_precision: bool = False, on_cpu: bool = False, lookups=None,
-                          facts: TensorFacts = None) -> TrainingGraphs:
+                          facts: TensorFacts = None, keep_for_torch=()) -> TrainingGraphs:
     """Build the training graph (outputs, running stats, gradients) and the eval graph.
 
     ``forward`` is the forward+loss graph with weights as initializers; ``trainable``
@@ -638,7 +638,8 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     With ``mixed_precision`` both graphs compute in float16, and the gradients are those
     of the loss times the ``LOSS_SCALE_INPUT`` input. ``on_cpu`` (the graphs run on the CPU)
     replaces, in float32 graphs, kernels measured slow there by fast equivalents and ones that
-    differ from torch's by exact ones (``cpu_kernels``).
+    differ from torch's by exact ones (``cpu_kernels``), but for the op types ``keep_for_torch``
+    (torch's kernels will run them, torch_convolutions.py).
     ``lookups`` ({Gather node name: export.EmbeddingLookup}) carry torch's embedding gradient rules;
     ``facts`` (``infer_tensor_facts(forward)``), when the caller has them, spare an inference.
     """
@@ -684,7 +685,7 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
         _float32_gradient_kernels(train_model)
     elif on_cpu:
         for graph_model in (train_model, eval_model):
-            cpu_kernels.use_fast_cpu_kernels(graph_model)
+            cpu_kernels.use_fast_cpu_kernels(graph_model, keep_for_torch)
             cpu_kernels.use_exact_cpu_kernels(graph_model)
     gradient_outputs = _order_outputs(train_model, trainable, graph_trainable, output_names, running_statistics, embeddings)
     return TrainingGraphs(_with_ir_version(train_model), eval_model, gradient_outputs, running_statistics, embeddings)

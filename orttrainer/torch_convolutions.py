@@ -6,11 +6,13 @@ than torch's whole step on a ResNet; torch's oneDNN kernels do the same work sev
 faster (benchmarks/NOTES.md §15, §18). :class:`SplitSession` cuts the graph at its
 ``Conv`` and ``ConvGrad`` nodes (and its LSTM and GRU nodes, torch_recurrent.py): torch runs
 those (``aten::convolution`` and ``aten::convolution_backward``, with the arguments torch's own
-``nn.Conv*d`` and autograd pass), and the nodes between them run as ONNX Runtime sessions of
-their own (segments). Tensors cross
-a boundary without copies: a segment's outputs come back by DLPack, its inputs are bound by
-pointer. Nodes are scheduled so that every convolution ready at a point runs in the same gap
-between two segments, which keeps the number of segments near the depth of the network.
+``nn.Conv*d`` and autograd pass), the ReLU and BatchNorm gradients between them
+(``threshold_backward``, ``native_batch_norm_backward``) and the sums of the gradients torch
+computed (§23); the nodes between them run as ONNX Runtime
+sessions of their own (segments). Tensors cross a boundary without copies: a segment's outputs
+come back by DLPack, its inputs are bound by pointer. Nodes are scheduled so that every
+convolution ready at a point runs in the same gap between two segments, which keeps the number
+of segments near the depth of the network.
 
 The split session has :class:`~orttrainer.session.TorchBoundSession`'s interface, so the
 trainer does not know which one it runs.
@@ -95,6 +97,44 @@ class _Convolution:
         return {name: gradient for name, gradient, needed in zip(self.outputs, (dx, dw, db), wanted) if needed}
 
 
+class _NodeStep:
+    """A node torch runs with the op its type names (subclasses: ``run``)."""
+
+    def __init__(self, node: onnx.NodeProto):
+        self.node = node
+        self.inputs = list(node.input)
+        self.outputs = list(node.output)
+
+
+class _ReluGradient(_NodeStep):
+    """A ``ReluGrad`` node (dy, the ReLU's input or output) as torch's ``threshold_backward``:
+    dy where not x <= 0, NaN included; one pass, where ONNX Runtime's exact spelling takes three."""
+
+    def run(self, values: dict) -> dict:
+        return {self.outputs[0]: torch.ops.aten.threshold_backward(values[self.inputs[0]], values[self.inputs[1]], 0)}
+
+
+class _BatchNormGradient(_NodeStep):
+    """A training ``BatchNormalizationGrad`` node (dy, x, scale, the forward's saved mean and inverse
+    standard deviation) as torch's ``native_batch_norm_backward``, the call of torch's autograd."""
+
+    def run(self, values: dict) -> dict:
+        dy, x, scale, mean, inverse_std = (values[name] for name in self.inputs[:5])
+        wanted = [index < len(self.outputs) and bool(self.outputs[index]) for index in range(3)]
+        gradients = torch.ops.aten.native_batch_norm_backward(dy, x, scale, None, None, mean, inverse_std, True, 0.0, wanted)
+        return {name: gradient for name, gradient, needed in zip(self.outputs, gradients, wanted) if needed}
+
+
+class _Sum(_NodeStep):
+    """A ``Sum`` (or ``Identity``) node as torch's additions, left to right; an Identity hands its input on."""
+
+    def run(self, values: dict) -> dict:
+        total = values[self.inputs[0]]
+        for index, name in enumerate(self.inputs[1:]):
+            total = total + values[name] if index == 0 else total.add_(values[name])
+        return {self.outputs[0]: total}
+
+
 def _attributes(node: onnx.NodeProto) -> dict:
     """A convolution node's attributes by name, ``auto_pad`` NOTSET when absent."""
     return {"auto_pad": "NOTSET", **node_attributes(node)}
@@ -109,11 +149,37 @@ def torch_can_run(node: onnx.NodeProto) -> bool:
     return known and "kernel_shape" in attributes and min(attributes.get("pads", [0])) >= 0
 
 
+# Gradients that torch computes in one pass where the segments would take several: between two
+# convolutions on torch they cost no extra boundary (benchmarks/NOTES.md §23).
+GRADIENTS_BETWEEN_CONVOLUTIONS = ("ReluGrad", "BatchNormalizationGrad")
+_JOINING_OPS = ("Identity", "Sum")  # on torch when they only pass on and add what torch computed
+
+
+def runs_convolutions(nodes) -> bool:
+    """Whether torch would run convolutions among ``nodes`` (then also ``GRADIENTS_BETWEEN_CONVOLUTIONS``)."""
+    return any(torch_can_run(node) for node in nodes)
+
+
 def torch_nodes(nodes, convolutions: bool) -> set:
     """Names of the nodes torch runs: the LSTMs and GRUs torch can take (in training, both ways),
-    and with ``convolutions`` the convolutions."""
+    and with ``convolutions`` the convolutions and, when there are any, the ReLU and BatchNorm gradients
+    and the sums of torch's gradients."""
     names = torch_recurrent.torch_nodes(nodes)
-    return names | ({node.name for node in nodes if torch_can_run(node)} if convolutions else set())
+    if convolutions and runs_convolutions(nodes):
+        names |= {node.name for node in nodes if torch_can_run(node) or node.op_type in GRADIENTS_BETWEEN_CONVOLUTIONS}
+        names |= _joining_torch_gradients(nodes, names)
+    return names
+
+
+def _joining_torch_gradients(nodes, on_torch: set) -> set:
+    """Identity and Sum nodes that only pass on and add what torch computed (a residual block's two
+    gradient paths): on torch they cost no segment between two torch steps."""
+    producers = {name: node.name for node in nodes for name in node.output if name}
+    joining = set()
+    for node in nodes:  # in graph order: an Identity's output can feed a Sum
+        if node.op_type in _JOINING_OPS and all(producers.get(name) in on_torch | joining for name in node.input):
+            joining.add(node.name)
+    return joining
 
 
 def can_split(model: onnx.ModelProto, convolutions: bool = True) -> bool:
@@ -271,6 +337,12 @@ class SplitSession:
         self._released.reverse()
 
     def _torch_step(self, node: onnx.NodeProto):
+        if node.op_type == "ReluGrad":
+            return _ReluGradient(node)
+        if node.op_type == "BatchNormalizationGrad":
+            return _BatchNormGradient(node)
+        if node.op_type in _JOINING_OPS:
+            return _Sum(node)
         kind = torch_recurrent.KINDS.get(node.op_type)
         if kind is None:
             return _Convolution(node)

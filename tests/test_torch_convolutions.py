@@ -85,7 +85,10 @@ def test_every_kind_of_convolution_trains_and_evaluates_like_torch():
                                     options=kernels("torch"))  # fmt: skip
     session = _last_runtime(trainer).train_session
     assert isinstance(session, split.SplitSession)
-    assert len(session.on_torch) == 14  # 7 convolutions (the ConvTranspose's rewrite included) and their gradients
+    on_torch = [node.op_type for node in session._model.graph.node if node.name in session.on_torch
+                and node.op_type not in ("Identity", "Sum")]  # fmt: skip
+    # 7 convolutions (the ConvTranspose's rewrite included), their gradients, the 3 ReLUs' and the BatchNorm's gradients
+    assert sorted(on_torch) == ["BatchNormalizationGrad"] + ["Conv"] * 7 + ["ConvGrad"] * 7 + ["ReluGrad"] * 3
     _assert_evaluates_like(trainer, reference, *_image_batches([3], seed=1)[0])
 
 
@@ -99,9 +102,13 @@ def test_resnet_trains_like_torch_with_adam_and_every_convolution_on_torch():
     options = cpu_options({"utils": {"convolution_kernels": "torch", "grad_norm_clip": False}})
     trainer, _ = run_parity(model, batches, config, adam, loss_fn=F.cross_entropy, options=options)
     session = _last_runtime(trainer).train_session
-    convolutions = sum(node.op_type in split.TORCH_OPS for node in session._model.graph.node)
-    assert len(session.on_torch) == convolutions > 0
-    assert session.segments < convolutions  # convolutions ready together share one gap between segments
+    nodes = session._model.graph.node
+    kinds = split.TORCH_OPS + split.GRADIENTS_BETWEEN_CONVOLUTIONS
+    assert {node.name for node in nodes if node.op_type in kinds} <= session.on_torch
+    on_torch = {node.op_type for node in nodes if node.name in session.on_torch}
+    assert on_torch == set(kinds) | {"Identity", "Sum"}  # the residual blocks' gradient paths, joined on torch
+    convolutions = sum(node.op_type in split.TORCH_OPS for node in nodes)
+    assert session.segments <= convolutions / 2  # torch steps ready together share one gap between segments
 
 
 def test_accumulation_window_averages_the_gradients_of_its_micro_batches_like_torch():
@@ -187,12 +194,47 @@ def test_same_padding_with_an_even_kernel_trains_like_torch(kernel_size, dims):
     assert all(n.name in session.on_torch for n in session._model.graph.node if n.op_type in split.TORCH_OPS)
 
 
+class NormalizedBranches(nn.Module):
+    """BatchNorm without affine weights, with frozen ones, BatchNorm1d after a Conv1d, and one activation
+    read by three convolutions (a Sum of three gradients torch computed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6, affine=False), nn.ReLU())
+        self.left = nn.Sequential(nn.Conv2d(6, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU())
+        self.right = nn.Sequential(nn.Conv2d(6, 6, 1), nn.BatchNorm2d(6))
+        self.right[1].requires_grad_(False)
+        self.skip = nn.Conv2d(6, 6, 1)
+        self.line = nn.Sequential(nn.Conv1d(6, 4, 3), nn.BatchNorm1d(4), nn.ReLU())
+        self.head = nn.Linear(6 + 4, 5)
+
+    def forward(self, images):
+        x = self.stem(images)
+        x = self.left(x) + self.right(x) + self.skip(x)
+        line = self.line(x.mean(2)).mean(2)
+        return self.head(torch.cat([x.mean((2, 3)), line], 1))
+
+
+def test_batch_norm_variants_and_residual_sums_train_like_torch():
+    torch.manual_seed(0)
+    trainer, _ = run_parity(NormalizedBranches(), _image_batches([4, 4, 6]), optim.SGDConfig(lr=LR),
+                            functools.partial(torch.optim.SGD, lr=LR), loss_fn=F.cross_entropy, options=kernels("torch"))  # fmt: skip
+    session = _last_runtime(trainer).train_session
+    on_torch = [node for node in session._model.graph.node if node.name in session.on_torch]
+    assert sum(node.op_type == "BatchNormalizationGrad" for node in on_torch) == 4
+    assert any(node.op_type == "Sum" and len(node.input) == 3 for node in on_torch)
+
+
+@pytest.mark.parametrize("normalized", [False, True], ids=["conv-relu", "conv-batchnorm-relu"])
 @pytest.mark.parametrize("value", [0.0, 1e-40, -1e-40, 3e38, -3e38, float("inf"), float("-inf"), float("nan")])
-def test_boundary_values_pass_through_the_torch_convolutions_as_in_torch(value):
+def test_boundary_values_pass_through_the_torch_convolutions_as_in_torch(value, normalized, request):
     """Loss and weight gradients of a conv model fed a boundary value: as torch's (float32, what the trainer
     claims to equal; overflow and NaN included), and as float64 torch's where that is finite in float32."""
+    if normalized and abs(value) == 3e38:  # ONNX Runtime's BatchNormalization squares in float32 (docs/stack_facts.md)
+        request.applymarker(pytest.mark.xfail(strict=True, reason="ONNX Runtime's batch variance overflows: NaN, torch finite"))
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 1), nn.Flatten())
+    norm = [nn.BatchNorm2d(4)] if normalized else []
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), *norm, nn.ReLU(), nn.Conv2d(4, 2, 1), nn.Flatten())
     images = torch.randn(2, 3, 4, 4)
     images[0, 1, 2, 2] = value
     images[1, :, 0, :] = value
