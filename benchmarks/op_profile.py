@@ -27,31 +27,45 @@ def _batches(workload):
     return [workload.make_batch(generator) for _ in range(4)]
 
 
-def onnxruntime_ops(workload, steps, match=""):
-    """{op type: median ms per step}, {op type: nodes}, median ms of the whole run per step, and
-    the median ms per step of the nodes whose names contain ``match`` (a rewritten node's
-    replacements keep its name as a prefix)."""
+def profiled_kernels(workload, steps, optimized_model_path=""):
+    """Train ``steps`` + 2 steps with session profiling of the training graph (one session: every
+    convolution on ONNX Runtime); return the runs after the first two and, per run, its kernel
+    events ({"name", "dur" us, "args": op_name, input_type_shape, ...}). With ``optimized_model_path``
+    ONNX Runtime also writes the graph it ran there (fused nodes, their attributes)."""
     torch.manual_seed(0)
     options = onnxruntime.SessionOptions()
     options.enable_profiling = True
     options.profile_file_prefix = os.path.join(tempfile.mkdtemp(), "train")
+    saved = {"graph_save_paths": {"model_with_training_graph_after_optimization_path": optimized_model_path}}
     trainer = ORTTrainer(workload.make_model(), None, optim.AdamConfig(lr=1e-4, lambda_coef=0.01), loss_fn=workload.loss_fn,
                          options=ORTTrainerOptions({"device": {"id": "cpu"},
                                                     "utils": {"grad_norm_clip": False, "convolution_kernels": "onnxruntime"},
-                                                    "session_options": options}))  # fmt: skip
+                                                    "session_options": options, "debug": saved}))  # fmt: skip
     batches = _batches(workload)
     for step in range(steps + 2):
         trainer.train_step(*batches[step % len(batches)])
     events = json.loads(open(trainer._train_session.session.end_profiling()).read())
     runs = [event for event in events if event.get("name") == "model_run"][2:]
-    per_step = [defaultdict(float) for _ in runs]
-    matched = [0.0 for _ in runs]
-    nodes = defaultdict(set)
+    kernels = [[] for _ in runs]
     for event in events:
         if event.get("cat") != "Node" or not event["name"].endswith("_kernel_time"):
             continue
         index = next((i for i, run in enumerate(runs) if run["ts"] <= event["ts"] <= run["ts"] + run["dur"]), None)
         if index is not None:
+            kernels[index].append(event)
+    return runs, kernels
+
+
+def onnxruntime_ops(workload, steps, match=""):
+    """{op type: median ms per step}, {op type: nodes}, median ms of the whole run per step, and
+    the median ms per step of the nodes whose names contain ``match`` (a rewritten node's
+    replacements keep its name as a prefix)."""
+    runs, kernels = profiled_kernels(workload, steps)
+    per_step = [defaultdict(float) for _ in runs]
+    matched = [0.0 for _ in runs]
+    nodes = defaultdict(set)
+    for index, events in enumerate(kernels):
+        for event in events:
             op = event["args"]["op_name"]
             per_step[index][op] += event["dur"] / 1e3
             matched[index] += event["dur"] / 1e3 if match and match in event["name"] else 0.0

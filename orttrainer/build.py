@@ -418,8 +418,7 @@ def _build(onnx_model, model_desc, weights, trainable, options, device, provider
         scales = (loss_scale, torch.tensor(1.0, device=device))
     runtime = Runtime(model_desc, onnx_model, graphs, sessions, weights, trainable, scales, device)
     if data_parallel is not None:
-        fingerprint = graphs.train.SerializeToString() + repr(_comparable_options(options)).encode()
-        runtime.owned = data_parallel.start(weights, trainable, fingerprint)
+        runtime.owned = data_parallel.start(weights, trainable, _rank_fingerprint(weights, trainable, options))
     return runtime
 
 
@@ -474,7 +473,10 @@ def _open_sessions(graphs, device, providers, options, one_thread: bool, convolu
         return open_session(model)
 
     try:
-        return open_graph(graphs.train), open_graph(graphs.eval)
+        train = open_graph(graphs.train)
+        if debug.graph_save_paths.model_with_training_graph_after_optimization_path:
+            all_threads.optimized_model_filepath = ""  # the eval session would overwrite the training graph saved there
+        return train, open_graph(graphs.eval)
     except onnxruntime.capi.onnxruntime_pybind11_state.NotImplemented as error:
         raise graph.missing_kernel_error(error, device) from error
 
@@ -499,6 +501,14 @@ def _save_debug_graphs(graphs, paths) -> None:
         onnx.save(graphs.train, paths.model_with_training_graph_path)
     if paths.model_after_graph_transforms_path:
         onnx.save(graphs.eval, paths.model_after_graph_transforms_path)
+
+
+def _rank_fingerprint(weights: dict, trainable, options) -> bytes:
+    """What every rank must share: the weights (names, shapes, dtypes, which train) and the options.
+    Not the graph: ranks may start on batches of other shapes, whose graphs differ (a sequence-first
+    attention bakes its sizes in) while the model is the same."""
+    described = sorted((name, tuple(tensor.shape), str(tensor.dtype), name in trainable) for name, tensor in weights.items())
+    return repr((described, _comparable_options(options))).encode()
 
 
 def _comparable_options(options):

@@ -95,11 +95,11 @@ def all_reduce_sum(tensor: torch.Tensor) -> None:
 
 
 def check_same_on_all_ranks(world: World, description: str, blob: bytes) -> None:
-    """Fail on every rank if ``blob`` (e.g. the training graph + options) differs anywhere."""
+    """Fail on every rank if ``blob`` (e.g. the weights' shapes + options) differs anywhere."""
     digests = gather_objects(world, hashlib.sha256(blob).hexdigest())
     differing = [rank for rank, other in enumerate(digests) if other != digests[0]]
     if differing:
-        raise RuntimeError(f"{description} differs between rank 0 and rank(s) {differing}: every rank must build the same model")
+        raise RuntimeError(f"{description} differ between rank 0 and rank(s) {differing}: every rank must build the same model")
 
 
 def gather_objects(world: World, value):
@@ -162,7 +162,7 @@ class DataParallel:
 
     def start(self, weights: dict, trainable, description: bytes) -> list:
         """Check every rank built the same thing, start from rank 0's weights; return owned names."""
-        check_same_on_all_ranks(self.world, "the training graph or the options", description)
+        check_same_on_all_ranks(self.world, "the model's weights (names, shapes, dtypes, which train) or the options", description)
         broadcast(weights.values(), 0)
         if self.zero_stage == 0:
             return list(trainable)

@@ -1,6 +1,9 @@
 """A data-parallel training job for the distributed tests (run under torchrun, or alone).
 
 Step k's global batch is always the same tensors; rank r of R trains on rows [r*G/R, (r+1)*G/R).
+With ``--uneven`` the model is a sequence-first encoder (a graph per shape) and step k has two
+parts of different sequence lengths and batch sizes: rank r trains part r; run alone (with
+``--accumulation 2``), the job trains both parts one after the other.
 """
 
 import argparse
@@ -8,7 +11,7 @@ import os
 
 import numpy as np
 import torch
-from models import Encoder, lm_loss, token_batch
+from models import VOCAB, Encoder, SeqFirstEncoder, lm_loss, token_batch
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 
@@ -26,6 +29,7 @@ def main():
     parser.add_argument("--consolidate", action="store_true", help="ZeRO: save one merged checkpoint")
     parser.add_argument("--load", nargs="*", default=[])
     parser.add_argument("--crash-at", type=int, default=-1, help="rank 1 raises at this step")
+    parser.add_argument("--uneven", action="store_true", help="ranks train batches of different shapes")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -38,20 +42,33 @@ def main():
         "distributed": {"deepspeed_zero_optimization": {"stage": 1 if args.zero else 0}},
     })
     config = optim.AdamConfig(lr=2e-3, lambda_coef=0.01, epsilon=1e-4, max_norm_clip=0.2)
-    trainer = ORTTrainer(Encoder(dropout=0.0), None, config, loss_fn=lm_loss, options=options)
+    model = SeqFirstEncoder() if args.uneven else Encoder(dropout=0.0)
+    trainer = ORTTrainer(model, None, config, loss_fn=lm_loss, options=options)
     if args.load:
         trainer.load_checkpoint(*args.load)
     share = args.global_batch // world
     for step in range(args.start, args.steps):
         if step == args.crash_at and rank == 1:
             raise RuntimeError("rank 1 fails on purpose")
-        tokens, labels = token_batch(batch=args.global_batch, generator=torch.Generator().manual_seed(step))
-        trainer.train_step(tokens[rank * share : (rank + 1) * share], labels[rank * share : (rank + 1) * share])
+        if args.uneven:
+            parts = uneven_parts(step)
+            for part in parts if world == 1 else [parts[rank]]:
+                trainer.train_step(*part)
+        else:
+            tokens, labels = token_batch(batch=args.global_batch, generator=torch.Generator().manual_seed(step))
+            trainer.train_step(tokens[rank * share : (rank + 1) * share], labels[rank * share : (rank + 1) * share])
         if step + 1 == args.save_at:
             trainer.save_checkpoint(args.checkpoint, consolidate=args.consolidate)
     state = trainer.state_dict()
     if rank == 0:
         np.savez(args.out, **{f"weight/{k}": v for k, v in state["model"]["full_precision"].items()})
+
+
+def uneven_parts(step):
+    """Step ``step``'s two parts: (tokens, labels) of shape (sequence, batch), (12, 5) / (7, 3) and so on."""
+    generator = torch.Generator().manual_seed(step)
+    shapes = [([12, 7, 9][(step + part) % 3], [5, 3][part]) for part in (0, 1)]
+    return [tuple(torch.randint(0, VOCAB, shape, generator=generator) for _ in range(2)) for shape in shapes]
 
 
 if __name__ == "__main__":

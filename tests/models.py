@@ -58,6 +58,20 @@ class Encoder(nn.Module):
         return self.head(self.norm(self.layer(self.tokens(tokens) + self.positions)))
 
 
+class SeqFirstEncoder(nn.Module):
+    """nn.TransformerEncoder with batch_first=False: its attention bakes (seq, batch) into Reshape shapes."""
+
+    def __init__(self, d_model=16):
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, d_model)
+        layer = nn.TransformerEncoderLayer(d_model, 2, 2 * d_model, dropout=0.0)
+        self.encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, VOCAB)
+
+    def forward(self, tokens):
+        return self.head(self.encoder(self.tokens(tokens)))
+
+
 def lm_loss(logits, labels):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 

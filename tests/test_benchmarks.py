@@ -1,6 +1,7 @@
-"""Smoke test of benchmarks/bench.py: one workload, torch eager and orttrainer, one short round.
+"""Smoke tests of benchmarks/: bench.py on one workload, torch eager and orttrainer, one short round;
+gemm_efficiency.py on the MLP.
 
-It checks that the benchmark machinery runs and reports finite numbers (no timing
+They check that the benchmark machinery runs and reports finite numbers (no timing
 asserts). The full comparison is `make bench`; `bench.py --quick` runs every contender on
 two workloads and took ~45 s of the suite, so it is not run here.
 """
@@ -10,6 +11,7 @@ import math
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT, subprocess_env
 
 # Runs in a child started with -c: bench.py's workers use the spawn start method, and a
@@ -45,3 +47,17 @@ def test_benchmark_measures_one_workload_and_reports_finite_numbers():
         assert all(math.isfinite(entry[key]) and entry[key] > 0 for key in ("median_ms", "min_ms", "max_ms", "peak_rss_mb"))
         assert entry["optimizer_ms"] > 0
     assert "| MLP" in output["table"] and output["table"].count("|") > 6
+
+
+def test_gemm_efficiency_times_every_gemm_of_the_mlp_and_counts_its_flops():
+    """Forward: three layers; backward: three weight gradients and the input gradients of the last two."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gemm_efficiency import gemm_efficiency
+    from workloads import WORKLOADS
+
+    (workload,) = [w for w in WORKLOADS if w.name == "MLP 784-1024-1024-10 (8)"]
+    rows, run_ms = gemm_efficiency(workload, steps=2)
+    layers = [784 * 1024, 1024 * 1024, 1024 * 10]
+    expected = 2 * 8 * (3 * sum(layers) - layers[0]) / 1e9
+    assert sum(row[4] for row in rows) == pytest.approx(expected, rel=1e-9)
+    assert len(rows) == 8 and all(row[2] > 0 and row[3] > 0 for row in rows) and run_ms > 0

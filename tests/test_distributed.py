@@ -40,6 +40,15 @@ def test_two_ranks_with_batch_b_equal_one_process_with_batch_2b(tmp_path, zero):
     assert_same_weights(tmp_path / "single.npz", tmp_path / "two.npz")
 
 
+def test_ranks_with_batches_of_different_shapes_train_like_one_process_accumulating_them(tmp_path):
+    """Each rank meets new shapes at its own steps and builds their graphs alone (no collective may
+    wait for the other rank); the mean over ranks equals one process accumulating both parts."""
+    flags = ["--steps", 4, "--uneven"]
+    run(*flags, "--accumulation", 2, "--out", tmp_path / "single.npz")
+    run(*flags, "--out", tmp_path / "two.npz", ranks=2)
+    assert_same_weights(tmp_path / "single.npz", tmp_path / "two.npz")
+
+
 def test_zero_checkpoints_aggregate_and_resume_in_one_process(tmp_path):
     checkpoint = tmp_path / "ckpt.{rank}.h5"
     flags = ["--steps", 7, "--zero", "--accumulation", 2]  # saved at the end of the second window
@@ -120,4 +129,4 @@ trainer.train_step(*mlp_batch())
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
                             env=ENV, capture_output=True, text=True, timeout=240)
     assert result.returncode != 0
-    assert "the training graph or the options differs between rank 0 and rank(s) [1]" in result.stderr
+    assert "the model's weights (names, shapes, dtypes, which train) or the options differ between rank 0 and rank(s) [1]" in result.stderr

@@ -3,6 +3,7 @@
 import copy
 import warnings
 
+import onnx
 import onnxruntime
 import pytest
 import torch
@@ -151,3 +152,19 @@ def test_a_trainer_leaves_the_given_dict_unchanged():
     trainer = ORTTrainer(MLP(), None, optim.SGDConfig(), loss_fn=F.cross_entropy, options=ORTTrainerOptions(given))
     trainer.train_step(*mlp_batch())
     assert given == expected
+
+
+def test_debug_graph_save_paths_write_the_graphs_they_name(tmp_path):
+    """The training graphs have gradient outputs; the eval graph has none (the optimized training
+    graph was once overwritten by the eval session's, which wrote to the same path)."""
+    names = ["model_with_gradient_graph_path", "model_with_training_graph_path", "model_after_graph_transforms_path",
+             "model_with_training_graph_after_optimization_path"]  # fmt: skip
+    paths = {name: str(tmp_path / f"{name}.onnx") for name in names}
+    torch.manual_seed(0)
+    trainer = ORTTrainer(MLP(), None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy,
+                         options=ORTTrainerOptions({"device": {"id": "cpu"}, "debug": {"graph_save_paths": paths}}))
+    trainer.train_step(*mlp_batch())
+    outputs = {name: [output.name for output in onnx.load(path).graph.output] for name, path in paths.items()}
+    for name in names:
+        gradients = [output for output in outputs[name] if output.endswith("_grad")]
+        assert (name == "model_after_graph_transforms_path") == (not gradients), (name, outputs[name])

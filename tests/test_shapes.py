@@ -11,7 +11,7 @@ import onnxruntime
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from models import CNN, MLP, cnn_batch, lm_loss, mlp_batch
+from models import CNN, MLP, SeqFirstEncoder, cnn_batch, lm_loss, mlp_batch
 from parity import assert_close_state, cpu_options, run_parity
 
 from orttrainer import ORTTrainer, graph_cache, optim
@@ -19,20 +19,6 @@ from orttrainer import ORTTrainer, graph_cache, optim
 VOCAB = 30
 # (seq, batch): new shapes, the first one again, and a last smaller batch
 SHAPES = [(12, 4), (12, 3), (7, 4), (12, 4), (16, 2), (7, 4)]
-
-
-class SeqFirstEncoder(nn.Module):
-    """nn.TransformerEncoder with batch_first=False: its attention bakes (seq, batch) into Reshape shapes."""
-
-    def __init__(self, d_model=16):
-        super().__init__()
-        self.tokens = nn.Embedding(VOCAB, d_model)
-        layer = nn.TransformerEncoderLayer(d_model, 2, 2 * d_model, dropout=0.0)
-        self.encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
-        self.head = nn.Linear(d_model, VOCAB)
-
-    def forward(self, tokens):
-        return self.head(self.encoder(self.tokens(tokens)))
 
 
 def token_batches(shapes, seed=0):
