@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch.overrides import TorchFunctionMode
 
 from . import export
@@ -87,11 +88,19 @@ def torch_step(module, loss_fn, forward_names, inputs, weights: dict, output_nam
     """
     module = copy.deepcopy(module)
     module.load_state_dict({name: tensor.detach().cpu() for name, tensor in weights.items()}, strict=False)
+    _without_activation_checkpointing(module)
     wrapper = export.with_loss(module, loss_fn, forward_names)
     with torch.enable_grad(), _NoDropout():
         outputs = wrapper(*[tensor.cpu() for tensor in inputs])
     outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
-    outputs[output_names.index(loss_name)].backward()
+    try:
+        outputs[output_names.index(loss_name)].backward()
+    except torch.utils.checkpoint.CheckpointError as error:
+        raise RuntimeError(
+            "debug.check_against_torch could not run the module's backward: torch.utils.checkpoint runs forward again "
+            f"inside it, where the check cannot turn dropout off ({str(error).splitlines()[0]}). Checkpointing does not "
+            "change what ONNX Runtime computes: train without it, or set debug.check_against_torch to 'off'"
+        ) from error
     parameters = dict(module.named_parameters())
     gradients = {
         name: parameters[name].grad if parameters[name].grad is not None else torch.zeros_like(parameters[name])
@@ -99,6 +108,17 @@ def torch_step(module, loss_fn, forward_names, inputs, weights: dict, output_nam
     }
     buffers = {name: tensor.detach().clone() for name, tensor in module.named_buffers() if name in weights}
     return StepResult(dict(zip(output_names, (out.detach() for out in outputs))), gradients, buffers)
+
+
+def _without_activation_checkpointing(module) -> None:
+    """Turn off transformers' activation (gradient) checkpointing on ``module``: it runs forward again
+    inside backward, where _NoDropout is not active. The gradients are the same without it."""
+    for flag, disable in (("is_activation_checkpointing", "activation_checkpointing_disable"),  # transformers >= 5.x
+                          ("is_gradient_checkpointing", "gradient_checkpointing_disable")):  # fmt: skip
+        if hasattr(type(module), flag):
+            if getattr(module, flag):
+                getattr(module, disable)()
+            return
 
 
 @dataclass

@@ -31,9 +31,10 @@ def _close(actual, expected, what):
 
 # ------------------------------------------------------------------ Hugging Face models
 def _bert_config(**extra):
-    return _transformers().BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                      intermediate_size=37, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                                      attention_probs_dropout_prob=0.0, pad_token_id=0, **extra)  # fmt: skip
+    settings = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+                "intermediate_size": 37, "max_position_embeddings": 64, "hidden_dropout_prob": 0.0,
+                "attention_probs_dropout_prob": 0.0, "pad_token_id": 0}  # fmt: skip
+    return _transformers().BertConfig(**{**settings, **extra})
 
 
 def bert_classifier():  # hidden_states on: a tuple field, one graph output per tensor
@@ -48,6 +49,12 @@ def gpt2_lm():  # use_cache left on: past_key_values is left out of the graph
     config = _transformers().GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0,
                                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)  # fmt: skip
     return _transformers().GPT2LMHeadModel(config)
+
+
+def checkpointed_gpt2_lm():  # transformers' activation checkpointing (non-reentrant): the same gradients
+    model = gpt2_lm()
+    model.activation_checkpointing_enable()
+    return model
 
 
 def _text(generator):
@@ -96,8 +103,9 @@ def _compare_outputs(outputs, expected, what):
 
 @pytest.mark.parametrize(
     "make, make_batch",
-    [(bert_classifier, classification_batch), (bert_masked_lm, masked_lm_batch), (gpt2_lm, causal_lm_batch)],
-    ids=["bert-classifier", "bert-masked-lm-tied", "gpt2-lm-tied-use-cache"],
+    [(bert_classifier, classification_batch), (bert_masked_lm, masked_lm_batch), (gpt2_lm, causal_lm_batch),
+     (checkpointed_gpt2_lm, causal_lm_batch)],
+    ids=["bert-classifier", "bert-masked-lm-tied", "gpt2-lm-tied-use-cache", "gpt2-lm-gradient-checkpointing"],
 )
 def test_trains_like_torch_and_gives_back_the_model(tmp_path, make, make_batch):
     """3 SGD steps equal a torch loop (loss, outputs, every state_dict key), the batch given as keywords,
@@ -283,3 +291,27 @@ def test_first_step_check_turns_off_the_dropout_of_scaled_dot_product_attention(
         else:
             output = F.scaled_dot_product_attention(query, key, value, None, 0.9)
     torch.testing.assert_close(output, expected)
+
+
+def test_first_step_check_runs_activation_checkpointed_models_with_dropout():
+    """Checkpointing runs forward again inside backward, where the check's dropout-off mode is not active:
+    transformers' models are checked without it, other torch.utils.checkpoint users get a clear error."""
+    torch.manual_seed(0)
+    config = _bert_config(num_labels=3, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    model = _transformers().BertForSequenceClassification(config)
+    model.activation_checkpointing_enable()
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=LR), options=cpu_options())
+    trainer.train_step(classification_batch(torch.Generator().manual_seed(0)))  # the check ran and passed
+    assert model.is_activation_checkpointing
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 4))
+
+        def forward(self, x):
+            return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+    trainer = ORTTrainer(Checkpointed(), None, optim.SGDConfig(lr=LR), loss_fn=F.mse_loss, options=cpu_options())
+    with pytest.raises(RuntimeError, match=r"torch\.utils\.checkpoint runs forward again inside it.*check_against_torch"):
+        trainer.train_step(torch.randn(3, 4), torch.randn(3, 4))
