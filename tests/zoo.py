@@ -255,6 +255,16 @@ def gpt2_lm():
     return transformers.GPT2LMHeadModel(config)
 
 
+def llama_lm():
+    """Llama's layout: rotary positions, RMSNorm, SiLU-gated MLP, grouped-query attention (4 heads, 2 key/value)."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
 def t5_generator():
     import transformers
 
@@ -302,6 +312,7 @@ HUGGING_FACE_MODELS = {
     "distilbert-classifier": (distilbert_classifier, classification_batch, "tokens"),
     "roberta-masked-lm": (roberta_masked_lm, functools.partial(masked_lm_batch, pad=1), "tokens"),
     "gpt2-lm": (gpt2_lm, causal_lm_batch, "tokens"),
+    "llama-lm": (llama_lm, causal_lm_batch, "tokens"),
     "t5": (t5_generator, seq2seq_batch, "tokens"),
     "bart": (bart_generator, functools.partial(seq2seq_batch, pad=1), "tokens"),
     "vit-image-classifier": (vit_classifier, vit_batch, "images"),
