@@ -138,22 +138,16 @@ class EinsumModel(nn.Module):
         return torch.einsum("bi,ij->bj", self.inp(x), self.weight)
 
 
-class CumSumModel(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(8, 8)
+class TensorFunction(nn.Module):
+    """Linear(8, 16) -> ``function`` of its output seen as [4, 4, 4] (torch functions, not modules)."""
 
-    def forward(self, x):
-        return torch.cumsum(self.inp(x), dim=1)
-
-
-class AmaxModel(nn.Module):
-    def __init__(self):
+    def __init__(self, function):
         super().__init__()
         self.inp = nn.Linear(8, 16)
+        self.function = function
 
     def forward(self, x):
-        return self.inp(x).reshape(4, 4, 4).amax(dim=2)
+        return self.function(self.inp(x).reshape(4, 4, 4))
 
 
 def _loss_case(name, loss, target):
@@ -211,6 +205,9 @@ CASES = [
     Case("AdaptiveAvgPool2d", lambda: Images(nn.AdaptiveAvgPool2d(1)), shape=(4, 2, 8, 8)),
     Case("PixelShuffle", lambda: Images(nn.PixelShuffle(2)), shape=(4, 2, 8, 8)),
     Case("Upsample (nearest)", lambda: Images(nn.Upsample(scale_factor=2)), shape=(4, 2, 8, 8)),
+    Case("Upsample (bilinear)", lambda: Images(nn.Upsample(scale_factor=2, mode="bilinear")), shape=(4, 2, 8, 8)),
+    Case("ReflectionPad2d", lambda: Images(nn.ReflectionPad2d(1)), shape=(4, 2, 8, 8)),
+    Case("ReplicationPad2d", lambda: Images(nn.ReplicationPad2d(1)), shape=(4, 2, 8, 8)),
     Case("Dropout", lambda: Wrapped(nn.Dropout(0.0))),
     Case("Embedding", EmbeddingModel),
     Case("EmbeddingBag", lambda: EmbeddingModel(bag=True)),
@@ -222,8 +219,11 @@ CASES = [
     Case("CosineSimilarity", lambda: Pairwise(nn.CosineSimilarity())),
     Case("PairwiseDistance", lambda: Pairwise(nn.PairwiseDistance())),
     Case("torch.einsum", EinsumModel),
-    Case("torch.cumsum", CumSumModel),
-    Case("torch.amax", AmaxModel),
+    Case("torch.cumsum", lambda: TensorFunction(lambda h: torch.cumsum(h, dim=1))),
+    Case("torch.amax", lambda: TensorFunction(lambda h: h.amax(dim=2))),
+    Case("torch.logsumexp", lambda: TensorFunction(lambda h: torch.logsumexp(h, dim=2))),
+    Case("torch.linalg.vector_norm", lambda: TensorFunction(lambda h: torch.linalg.vector_norm(h, dim=1))),
+    Case("torch.flip", lambda: TensorFunction(lambda h: torch.flip(h, dims=[2]) * h)),
     _loss_case("MSELoss", F.mse_loss, None),
     _loss_case("L1Loss", F.l1_loss, None),
     _loss_case("SmoothL1Loss", F.smooth_l1_loss, None),

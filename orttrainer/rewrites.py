@@ -514,22 +514,38 @@ def _repeats_each_value(build, length, factor):
     return np.array_equal(sources, np.repeat(np.arange(length), factor))
 
 
-def nearest_upsample(build):
-    """Resize by whole-number factors in nearest mode as Reshape + Expand + Reshape
-    (ONNX Runtime has no CPU kernel for ResizeGrad)."""
-    x = build.node.input[0]
+def resize(build):
+    """Resize (ONNX Runtime has no CPU kernel for ResizeGrad): nearest by whole-number factors
+    (``nearest_upsample``), linear as torch's bilinear/trilinear (``linear_resize``)."""
     mode = build.attribute("mode", "nearest")
-    if mode != "nearest":
-        raise RewriteError(f"Resize node '{build.node.name}': only mode 'nearest' can be rewritten, got {mode!r}")
+    if mode == "nearest":
+        return nearest_upsample(build)
+    if mode == "linear":
+        return linear_resize(build)
+    raise RewriteError(f"Resize node '{build.node.name}': only modes 'nearest' and 'linear' can be rewritten, got {mode!r}")
+
+
+def _resize_scales(build, dims):
+    """(scale per axis, whether they came from the ``scales`` input) of a Resize over ``x`` of ``dims``
+    (None for the batch and channel axes). Sizes computed from the input's shape (``F.interpolate(size=...)``
+    with a dynamic batch) are read off the output's inferred shape."""
+    if len(build.node.input) > 2 and build.node.input[2] and build.constant_input(2).size:
+        return [float(scale) for scale in build.constant_input(2)], True
+    if build.node.input[3] in build.constants:
+        sizes = list(build.constant_input(3))
+    else:
+        sizes = build.static_dims(build.node.output[0], range(2, len(dims)))
+        sizes = [None, None] + sizes
+    return [1.0 if dim is None else float(size) / dim for size, dim in zip(sizes, dims)], False
+
+
+def nearest_upsample(build):
+    """Resize by whole-number factors in nearest mode as Reshape + Expand + Reshape."""
+    x = build.node.input[0]
     shape = build.shape(x)
     rank = len(shape)
     dims = build.static_dims(x, range(1, rank))
-    if len(build.node.input) > 2 and build.node.input[2] and build.constant_input(2).size:
-        scales = [float(scale) for scale in build.constant_input(2)]
-    else:
-        sizes = build.constant_input(3)
-        scales = [float(size) / dim for size, dim in zip(sizes[1:], dims)]
-        scales = [1.0] + scales
+    scales = [1.0] + _resize_scales(build, [None] + dims)[0][1:]
     factors = [int(scale) for scale in scales]
     if scales[:2] != [1.0, 1.0] or any(factor != scale or factor < 1 for factor, scale in zip(factors, scales)):
         raise RewriteError(f"Resize node '{build.node.name}': scales {scales} are not whole-number spatial factors")
@@ -544,6 +560,137 @@ def nearest_upsample(build):
     grown = build.op("Expand", [build.op("Reshape", [x, build.const(split, np.int64)]), build.const(expanded, np.int64)])
     merged = [0, dims[0]] + [dim * factor for dim, factor in spatial]
     build.op("Reshape", [grown, build.const(merged, np.int64)], _output(build))
+
+
+def _source_coordinates(transform: str, length: int, size: int, scale: float, from_scales: bool):
+    """torch's upsample_linear source coordinate of each of ``size`` outputs on an axis of ``length``, in
+    float32 as torch computes it: its scale is 1 / scale_factor when the export carries scales, else
+    length / size (align_corners: (length - 1) / (size - 1)); negative coordinates clamp to 0."""
+    outputs = np.arange(size, dtype=np.float32)
+    if transform == "align_corners":
+        ratio = np.float32((length - 1) / (size - 1)) if size > 1 else np.float32(0.0)
+        return ratio * outputs
+    ratio = np.float32(1.0 / scale) if from_scales else np.float32(np.float32(length) / np.float32(size))
+    if transform == "asymmetric":
+        return ratio * outputs
+    if transform == "pytorch_half_pixel" and size == 1:
+        return np.zeros(1, np.float32)
+    return np.maximum(ratio * (outputs + np.float32(0.5)) - np.float32(0.5), np.float32(0.0))
+
+
+def linear_resize(build):
+    """Resize in linear mode as torch's upsample_(bi/tri)linear: along each resized axis, the last first,
+    y = l0 * x[i0] + l1 * x[i1] with two Gathers of constant neighbour indices (i1 = i0 + 1 but at the
+    last index) and constant weights. Only the two neighbours of an output are read, as in torch, so an
+    inf or NaN reaches the outputs next to it only (an interpolation matrix would multiply it by 0).
+    Weights computed in float32 as torch does; the sum's rounding may differ from torch's by an ulp."""
+    x = build.node.input[0]
+    transform = build.attribute("coordinate_transformation_mode", "half_pixel")
+    if transform not in ("half_pixel", "pytorch_half_pixel", "align_corners", "asymmetric"):
+        raise RewriteError(f"Resize node '{build.node.name}': coordinate transformation {transform!r} cannot be rewritten")
+    if build.attribute("axes") is not None or build.attribute("antialias", 0):
+        raise RewriteError(f"Resize node '{build.node.name}': axes or antialias cannot be rewritten")
+    rank = len(build.shape(x))
+    dims = build.static_dims(x, range(2, rank))
+    scales, from_scales = _resize_scales(build, [None, None] + dims)
+    if scales[:2] != [1.0, 1.0]:
+        raise RewriteError(f"Resize node '{build.node.name}': scales {scales} resize the batch or channel axis")
+    resized = x
+    axes = [axis for axis in range(rank - 1, 1, -1) if round(dims[axis - 2] * scales[axis]) != dims[axis - 2]]
+    for axis in axes:
+        length, size = dims[axis - 2], int(round(dims[axis - 2] * scales[axis]))
+        source = _source_coordinates(transform, length, size, scales[axis], from_scales)
+        first = np.minimum(np.floor(source).astype(np.int64), length - 1)
+        second = first + (first < length - 1)
+        weight = source - first.astype(np.float32)
+        along = [size] + [1] * (rank - 1 - axis)
+        terms = [build.op("Mul", [build.op("Gather", [resized, build.const(index, np.int64)], axis=axis),
+                                  build.const((factor).reshape(along))])
+                 for index, factor in ((first, np.float32(1.0) - weight), (second, weight))]  # fmt: skip
+        resized = build.op("Add", terms, _output(build) if axis == axes[-1] else None)
+    if not axes:
+        build.op("Identity", [x], _output(build))
+
+
+def _gathered(build, x, axis, indices, output=None):
+    return build.op("Gather", [x, build.const(np.asarray(indices, np.int64), np.int64)], output, axis=axis)
+
+
+def _slice_indices(length: int, start: int, end: int, step: int) -> np.ndarray:
+    """The indices ONNX Slice takes along an axis of ``length`` (negative bounds count from the end, then clamp)."""
+    start, end = (bound + length if bound < 0 else bound for bound in (int(start), int(end)))
+    if step > 0:
+        start, end = min(max(start, 0), length), min(max(end, 0), length)
+    else:
+        start, end = min(max(start, 0), length - 1), min(max(end, -1), length - 1)
+    return np.arange(start, end, step, dtype=np.int64)
+
+
+def reversing_slice(build):
+    """Slice with a negative step (torch.flip) as a Gather of constant indices per sliced axis
+    (SliceGrad fails on such a Slice with a narrowing_error); a Slice of positive steps is kept."""
+    if build.opset < 10:
+        return False
+    inputs = list(build.node.input) + [""] * (5 - len(build.node.input))
+    if not inputs[4] or all(step > 0 for step in build.constant_input(4).reshape(-1)):
+        return False
+    starts, ends, steps = (build.constant_input(index).reshape(-1) for index in (1, 2, 4))
+    rank = len(build.shape(build.node.input[0]))
+    axes = build.constant_input(3).reshape(-1) if inputs[3] else np.arange(len(starts))
+    sliced = build.node.input[0]
+    for position, (axis, start, end, step) in enumerate(zip(axes, starts, ends, steps)):
+        axis = int(axis) % rank
+        (length,) = build.static_dims(build.node.input[0], [axis])
+        last = position == len(axes) - 1
+        sliced = _gathered(build, sliced, axis, _slice_indices(length, start, end, int(step)), _output(build) if last else None)
+
+
+def _padding_indices(mode: str, length: int, before: int, after: int) -> np.ndarray:
+    """The indices along an axis of ``length`` that ONNX Pad's reflect or edge mode reads (negative pads crop)."""
+    if mode == "reflect" and max(before, after) > length - 1:
+        raise RewriteError(f"reflect padding of {max(before, after)} on an axis of {length} (at most {length - 1})")
+    if mode == "reflect":
+        head, tail = np.arange(max(before, 0), 0, -1), np.arange(length - 2, length - 2 - max(after, 0), -1)
+    else:
+        head, tail = np.zeros(max(before, 0), np.int64), np.full(max(after, 0), length - 1)
+    indices = np.concatenate([head, np.arange(length), tail]).astype(np.int64)
+    return indices[max(-before, 0) : len(indices) - max(-after, 0)]
+
+
+def edge_pad(build):
+    """Pad in reflect or edge mode (torch's reflection and replication padding) as a Gather of constant
+    indices per padded axis: ONNX Runtime's Pad gradient takes constant padding only. Constant padding is kept."""
+    mode = build.attribute("mode", "constant")
+    if mode == "constant":
+        return False
+    if mode not in ("reflect", "edge") or build.opset < 11 or (len(build.node.input) > 3 and build.node.input[3]):
+        raise RewriteError(f"Pad node '{build.node.name}': mode {mode!r} (or its axes input) cannot be rewritten")
+    x = build.node.input[0]
+    rank = len(build.shape(x))
+    pads = [int(pad) for pad in build.constant_input(1).reshape(-1)]
+    padded_axes = [axis for axis in range(rank) if pads[axis] or pads[axis + rank]]
+    padded = x
+    for axis in padded_axes:
+        (length,) = build.static_dims(x, [axis])
+        try:
+            indices = _padding_indices(mode, length, pads[axis], pads[axis + rank])
+        except RewriteError as error:
+            raise RewriteError(f"Pad node '{build.node.name}': {error}") from None
+        padded = _gathered(build, padded, axis, indices, _output(build) if axis == padded_axes[-1] else None)
+    if not padded_axes:
+        build.op("Identity", [x], _output(build))
+
+
+def reduce_keeping_dims(build):
+    """ReduceLogSumExp / ReduceL2 with keepdims=0 as the same op with keepdims=1 and a Squeeze:
+    onnxruntime-training's gradients of these emit an opset-11 Unsqueeze for keepdims=0, which an
+    opset-13+ graph rejects. keepdims=1 is kept."""
+    axes, keepdims = build.reduce_axes()
+    if keepdims:
+        return False
+    x = build.node.input[0]
+    axes = list(range(len(build.shape(x)))) if axes is None else axes
+    build.squeeze(build.reduce(build.node.op_type, x, axes, 1), axes, _output(build))
 
 
 def _shifted(build, x, axis, rank, length, shift, reverse):
@@ -1025,7 +1172,11 @@ REWRITES = {
     "BatchNormalization": inference_batch_norm,
     "InstanceNormalization": instance_normalization,
     "AveragePool": average_pool,
-    "Resize": nearest_upsample,
+    "Resize": resize,
+    "Slice": reversing_slice,
+    "Pad": edge_pad,
+    "ReduceLogSumExp": reduce_keeping_dims,
+    "ReduceL2": reduce_keeping_dims,
     "Gather": constant_index_gather,
     "DepthToSpace": depth_to_space,
     "SpaceToDepth": space_to_depth,
@@ -1059,7 +1210,7 @@ def _symbolic_dim(dim):
 
 def symbolic_shapes(model: onnx.ModelProto) -> dict:
     """Tensor name -> shape from ONNX shape inference: sizes, dim_param names, None where unknown."""
-    inferred = onnx.shape_inference.infer_shapes(model).graph
+    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True).graph  # sizes computed from Shape ops too
     shapes = {}
     for info in list(inferred.value_info) + list(inferred.input) + list(inferred.output):
         tensor_type = info.type.tensor_type

@@ -252,6 +252,72 @@ def test_nearest_resize_that_does_not_repeat_values_is_refused(modes):
         graph.build_training_graphs(model, ["x"], [], "loss", ["loss", "output"])
 
 
+@pytest.mark.parametrize("scales, align_corners", [((2, 2), False), ((1.5, 3), False), ((0.5, 2), False), ((2, 1.5), True)])
+def test_linear_resize(scales, align_corners):
+    """Bilinear up- and downsampling: an inf or NaN spreads to its neighbours' outputs only, as in torch.
+    (Huge values of opposite signs are not neighbours: their sum cancels, ill-conditioned in any order.)"""
+    x = _with_specials((1, 2, 4, 6))
+    x.reshape(-1)[20:24] = [3e38, 1e-40, 5.0, -3e38]
+    reference = lambda x: F.interpolate(x, scale_factor=scales, mode="bilinear", align_corners=align_corners)  # noqa: E731
+    upstream = upstream_like(reference(torch.tensor(x)).shape)
+    transform = "align_corners" if align_corners else "pytorch_half_pixel"
+    attributes = {"mode": "linear", "coordinate_transformation_mode": transform}
+    constants = {"scales": np.array([1, 1, *scales], np.float32)}
+    model = single_op_model("Resize", ["x", "", "scales"], {"x": x}, upstream, attributes, constants=constants)
+    train = check_against_torch(model, reference, {"x": x}, ["x"], upstream)
+    assert "Resize" not in op_types(train)
+
+
+@pytest.mark.parametrize("mode, pads", [("reflect", [0, 0, 2, 1, 0, 0, 1, 3]), ("edge", [0, 0, 3, 0, 0, 0, 2, 2]),
+                                        ("edge", [0, 0, -1, 2, 0, 0, 1, -2])])  # fmt: skip
+def test_reflect_and_edge_padding(mode, pads):
+    """Negative pads crop; the gradient sums over the places a value was copied to."""
+    x = _with_specials((1, 2, 4, 5))
+    torch_mode = {"reflect": "reflect", "edge": "replicate"}[mode]
+    cropped = [max(-pad, 0) for pad in pads]
+
+    def reference(x):
+        x = x[:, :, cropped[2] : x.shape[2] - cropped[6], cropped[3] : x.shape[3] - cropped[7]]
+        return F.pad(x, [max(pads[3], 0), max(pads[7], 0), max(pads[2], 0), max(pads[6], 0)], mode=torch_mode)
+
+    upstream = upstream_like(reference(torch.tensor(x)).shape)
+    model = single_op_model("Pad", ["x", "pads"], {"x": x}, upstream, {"mode": mode},
+                            constants={"pads": np.array(pads, np.int64)})  # fmt: skip
+    train = check_against_torch(model, reference, {"x": x}, ["x"], upstream)
+    assert "Pad" not in op_types(train)
+
+
+@pytest.mark.parametrize("starts, ends, axes, steps", [([-1], [-(2**63 - 1)], [3], [-1]), ([3, -1], [0, -10], [2, 3], [-2, -3])])
+def test_reversing_slice(starts, ends, axes, steps):
+    x = _with_specials((1, 2, 4, 5))
+
+    def reference(x):
+        for axis, start, end, step in zip(axes, starts, ends, steps):
+            kept = np.arange(x.shape[axis])[slice(start, None if end < -x.shape[axis] else end, step)]
+            x = x.index_select(axis, torch.tensor(kept.copy()))
+        return x
+
+    upstream = upstream_like(reference(torch.tensor(x)).shape)
+    names = ("starts", "ends", "axes", "steps")
+    constants = {name: np.array(value, np.int64) for name, value in zip(names, (starts, ends, axes, steps))}
+    model = single_op_model("Slice", ["x", "starts", "ends", "axes", "steps"], {"x": x}, upstream, constants=constants)
+    train = check_against_torch(model, reference, {"x": x}, ["x"], upstream)
+    assert "Slice" not in op_types(train)
+
+
+@pytest.mark.parametrize("op_type, function", [("ReduceLogSumExp", lambda x: torch.logsumexp(x, dim=1)),
+                                               ("ReduceL2", lambda x: torch.linalg.vector_norm(x, dim=1))])  # fmt: skip
+def test_reductions_that_drop_their_axis(op_type, function):
+    """keepdims=0, rewritten to keepdims=1 + Squeeze; rows of 0, tiny, huge, inf, -inf and NaN values."""
+    x = np.array([[0.0, 0.0, 0.0], [1e-30, -1e-30, 1e-40], [3e38, 3e38, 1.0], [np.inf, 1.0, -2.0],
+                  [-np.inf, -np.inf, -np.inf], [np.nan, 1.0, 2.0], [-np.inf, 0.5, -1.0], [-3.0, 7.0, 0.25]], np.float32)
+    upstream = upstream_like(function(torch.tensor(x)).shape)
+    model = single_op_model(op_type, ["x", "axes"], {"x": x}, upstream, {"keepdims": 0},
+                            constants={"axes": np.array([1], np.int64)}, opset=18)  # fmt: skip
+    train = check_against_torch(model, function, {"x": x}, ["x"], upstream)
+    assert op_type in op_types(train)  # the same kernel, with keepdims=1
+
+
 def _pixel_unshuffle_onnx(x, block):
     """ONNX SpaceToDepth's channel order: (row offset, column offset, channel)."""
     n, c, h, w = x.shape

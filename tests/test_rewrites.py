@@ -99,6 +99,21 @@ CASES = {
     "AveragePool (1d)": (lambda: Around(lambda h: F.avg_pool1d(h.reshape(6, 2, 4), 2)), vectors),
     "DepthToSpace (PixelShuffle)": (lambda: Around(nn.PixelShuffle(2), images=True), images),
     "Resize (nearest)": (lambda: Around(nn.Upsample(scale_factor=2), images=True), images),
+    "Resize (bilinear)": (lambda: Around(nn.Upsample(scale_factor=2, mode="bilinear"), images=True), images),
+    "Resize (bilinear, align_corners)": (
+        lambda: Around(nn.Upsample(scale_factor=1.5, mode="bilinear", align_corners=True), images=True), images),
+    "Resize (bilinear to a size: down and up)": (
+        lambda: Around(lambda h: F.interpolate(h, size=(5, 11), mode="bilinear"), images=True), images),
+    "Resize (trilinear)": (lambda: Around(lambda h: F.interpolate(h.reshape(3, 1, 4, 8, 8), scale_factor=(1.5, 2, 0.5),
+                                                                  mode="trilinear"), images=True), images),  # fmt: skip
+    "Resize (linear, 1-d)": (lambda: Around(lambda h: F.interpolate(h.reshape(6, 2, 4), scale_factor=2.5, mode="linear")),
+                             vectors),  # fmt: skip
+    "Slice (torch.flip)": (lambda: Around(lambda h: torch.flip(h, dims=[1, 3]) * h, images=True), images),
+    "Pad (reflect)": (lambda: Around(lambda h: F.pad(h, (1, 2, 2, 1), mode="reflect"), images=True), images),
+    "Pad (replicate)": (lambda: Around(lambda h: F.pad(h, (3, 0, 1, 2), mode="replicate"), images=True), images),
+    "Pad (reflect, 1-d)": (lambda: Around(lambda h: F.pad(h.reshape(6, 2, 4), (3, 1), mode="reflect")), vectors),
+    "ReduceLogSumExp (logsumexp)": (lambda: Around(lambda h: torch.logsumexp(h.reshape(6, 2, 4), dim=2)), vectors),
+    "ReduceL2 (vector_norm)": (lambda: Around(lambda h: torch.linalg.vector_norm(h.reshape(6, 2, 4), dim=1)), vectors),
     "CumSum (last axis)": (lambda: Around(lambda h: torch.cumsum(h, 1)), vectors),
     "CumSum (middle axis)": (lambda: Around(lambda h: torch.cumsum(h.reshape(6, 2, 4), 1)), vectors),
     "ReduceMax (amax)": (lambda: Around(lambda h: h.reshape(6, 2, 4).amax(dim=2)), vectors),
