@@ -536,7 +536,7 @@ def _resize_scales(build, dims):
     else:
         sizes = build.static_dims(build.node.output[0], range(2, len(dims)))
         sizes = [None, None] + sizes
-    return [1.0 if dim is None else float(size) / dim for size, dim in zip(sizes, dims)], False
+    return [1.0 if size is None or dim is None else float(size) / dim for size, dim in zip(sizes, dims)], False
 
 
 def nearest_upsample(build):
@@ -605,7 +605,7 @@ def linear_resize(build):
         weight = source - first.astype(np.float32)
         along = [size] + [1] * (rank - 1 - axis)
         terms = [build.op("Mul", [build.op("Gather", [resized, build.const(index, np.int64)], axis=axis),
-                                  build.const((factor).reshape(along))])
+                                  build.const(factor.reshape(along))])
                  for index, factor in ((first, np.float32(1.0) - weight), (second, weight))]  # fmt: skip
         resized = build.op("Add", terms, _output(build) if axis == axes[-1] else None)
     if not axes:

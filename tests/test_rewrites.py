@@ -99,6 +99,7 @@ CASES = {
     "AveragePool (1d)": (lambda: Around(lambda h: F.avg_pool1d(h.reshape(6, 2, 4), 2)), vectors),
     "DepthToSpace (PixelShuffle)": (lambda: Around(nn.PixelShuffle(2), images=True), images),
     "Resize (nearest)": (lambda: Around(nn.Upsample(scale_factor=2), images=True), images),
+    "Resize (nearest to a size)": (lambda: Around(lambda h: F.interpolate(h, size=(16, 24)), images=True), images),
     "Resize (bilinear)": (lambda: Around(nn.Upsample(scale_factor=2, mode="bilinear"), images=True), images),
     "Resize (bilinear, align_corners)": (
         lambda: Around(nn.Upsample(scale_factor=1.5, mode="bilinear", align_corners=True), images=True), images),
