@@ -1278,17 +1278,24 @@ def rewrite_for_training(model: onnx.ModelProto, only_between=None) -> list:
     (inference-mode BatchNormalization excepted, see ``_is_target``).
     """
     targets = [node for node in model.graph.node if _is_target(node, only_between, opset(model))]
-    if not targets:
-        return []
-    symbols = symbolic_shapes(model)
-    return replace_nodes(model, REWRITES, targets, static_shapes(model, symbols), _constants(model), symbols)
+    rewritten = []
+    while targets:  # again for the nodes whose facts (a shape after a rewritten Resize) only a rewrite made known
+        symbols, failed = symbolic_shapes(model), {}
+        done = replace_nodes(model, REWRITES, targets, static_shapes(model, symbols), _constants(model), symbols, failed)
+        rewritten += done
+        if failed and not done:
+            raise next(iter(failed.values()))
+        targets = [node for node in model.graph.node if node.name in failed]
+    return rewritten
 
 
-def replace_nodes(model: onnx.ModelProto, table: dict, targets, shapes=None, constants=None, symbols=None) -> list:
+def replace_nodes(model: onnx.ModelProto, table: dict, targets, shapes=None, constants=None, symbols=None,
+                  failed=None) -> list:  # fmt: skip
     """Replace, in place, each of ``targets`` by what ``table[op_type]`` builds; return their names.
 
     A table function that returns ``False`` keeps its node; ``shapes``, ``constants`` and
-    ``symbols`` go into the :class:`GraphFacts` the functions see.
+    ``symbols`` go into the :class:`GraphFacts` the functions see. With ``failed`` (a dict), a
+    node whose function raises RewriteError is kept and its error recorded there by node name.
     """
     consumers = defaultdict(list)
     for node in model.graph.node:
@@ -1301,7 +1308,7 @@ def replace_nodes(model: onnx.ModelProto, table: dict, targets, shapes=None, con
     rebuilt, rewritten = [], []
     for node in model.graph.node:
         build = NodeBuilder(node, facts) if id(node) in target_ids else None
-        if build is not None and table[node.op_type](build) is not False:
+        if build is not None and _replaced(table, build, failed):
             rebuilt.extend(build.nodes)
             model.graph.initializer.extend(build.initializers)
             rewritten.append(node.name)
@@ -1310,3 +1317,14 @@ def replace_nodes(model: onnx.ModelProto, table: dict, targets, shapes=None, con
     del model.graph.node[:]
     model.graph.node.extend(rebuilt)
     return rewritten
+
+
+def _replaced(table: dict, build: NodeBuilder, failed) -> bool:
+    """Whether ``table``'s function built a replacement for the node (its RewriteError into ``failed``, if given)."""
+    try:
+        return table[build.node.op_type](build) is not False
+    except RewriteError as error:
+        if failed is None:
+            raise
+        failed[build.node.name] = error
+        return False

@@ -104,14 +104,16 @@ class MobileNetV3(nn.Module):
 
 
 class UNet(nn.Module):
-    """A two-level U-Net for per-pixel classes: strided-conv down, ConvTranspose2d (stride 2) up,
-    skip connection by concatenation, BatchNorm throughout."""
+    """A two-level U-Net for per-pixel classes: strided-conv down, up by ConvTranspose2d (stride 2) or, with
+    ``bilinear``, by bilinear upsampling and a reflection-padded 3x3 conv; skip connection by
+    concatenation, BatchNorm throughout."""
 
-    def __init__(self, classes=CLASSES):
+    def __init__(self, classes=CLASSES, bilinear=False):
         super().__init__()
         self.encode = nn.Sequential(_conv_bn(3, 8), nn.ReLU())
         self.down = nn.Sequential(_conv_bn(8, 16, stride=2), nn.ReLU(), _conv_bn(16, 16), nn.ReLU())
-        self.up = nn.ConvTranspose2d(16, 8, kernel_size=2, stride=2)
+        self.up = (nn.Sequential(nn.Upsample(scale_factor=2, mode="bilinear"), nn.Conv2d(16, 8, 3, padding=1, padding_mode="reflect"))
+                   if bilinear else nn.ConvTranspose2d(16, 8, kernel_size=2, stride=2))  # fmt: skip
         self.decode = nn.Sequential(_conv_bn(16, 8), nn.ReLU())
         self.head = nn.Conv2d(8, classes, 1)
 
@@ -304,6 +306,7 @@ TORCH_MODELS = {
     "resnet-basic-blocks-batchnorm": (ResNet, image_batch, "images"),
     "mobilenet-v3-depthwise-hardswish-squeeze-excite": (MobileNetV3, image_batch, "images"),
     "unet-conv-transpose-batchnorm": (UNet, segmentation_batch, "images"),
+    "unet-bilinear-reflect-pad-batchnorm": (functools.partial(UNet, bilinear=True), segmentation_batch, "images"),
     "lstm-over-padded-batches-of-changing-length": (RecurrentClassifier, padded_token_batch, "tokens"),
 }
 HUGGING_FACE_MODELS = {
