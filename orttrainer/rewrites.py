@@ -380,32 +380,51 @@ def instance_normalization(build):
     build.op("Add", [scaled, build.unsqueeze(bias, channel_axes)], _output(build))
 
 
+def _ceil_mode_extra(length: int, kernel: int, stride: int, before: int, after: int) -> int:
+    """Zeros to add after an axis so that a pooling Conv makes torch's ceil_mode output count: one more
+    window for a partial one at the end, unless that window would start in the end padding."""
+    count = -(-(length + before + after - kernel) // stride) + 1
+    if (count - 1) * stride >= length + before:
+        count -= 1
+    return max((count - 1) * stride + kernel - (length + before + after), 0)
+
+
 def average_pool(build):
-    """AveragePool as a depthwise Conv with constant 1/k weights.
+    """AveragePool as a depthwise Conv with constant 1/k weights (ceil_mode: zeros added at the end for
+    the partial last windows, which divide by what they cover of the input and its padding, as torch's).
 
     ONNX Runtime's AveragePoolGrad CPU kernel takes its output shape from the graph, so
     it breaks with a dynamic batch dimension; ConvGrad does not.
     """
     x = build.node.input[0]
-    if build.attribute("ceil_mode", 0) or build.attribute("auto_pad", "NOTSET") != "NOTSET":
-        raise RewriteError(f"AveragePool node '{build.node.name}' with ceil_mode or auto_pad cannot be rewritten")
+    if build.attribute("auto_pad", "NOTSET") != "NOTSET" or any(d != 1 for d in build.attribute("dilations", [1])):
+        raise RewriteError(f"AveragePool node '{build.node.name}' with auto_pad or dilations cannot be rewritten")
     kernel = list(build.attribute("kernel_shape"))
+    dims = len(kernel)
+    strides = list(build.attribute("strides", [1] * dims))
     (channels,) = build.static_dims(x, [1])
-    pads = list(build.attribute("pads", [0] * 2 * len(kernel)))
-    attributes = {"kernel_shape": kernel, "strides": list(build.attribute("strides", [1] * len(kernel))), "pads": pads,
-                  "group": channels}
-    ones = build.const(np.ones([channels, 1, *kernel]))
-    summed = build.op("Conv", [x, ones], **attributes)
-    if build.attribute("count_include_pad", 0) or not any(pads):
+    pads = list(build.attribute("pads", [0] * 2 * dims))
+    extra = [0] * dims
+    if build.attribute("ceil_mode", 0):
+        lengths = build.static_dims(x, range(2, dims + 2))
+        extra = [_ceil_mode_extra(*axis) for axis in zip(lengths, kernel, strides, pads[:dims], pads[dims:])]
+    conv_pads = pads[:dims] + [after + more for after, more in zip(pads[dims:], extra)]
+    attributes = {"kernel_shape": kernel, "strides": strides, "pads": conv_pads, "group": channels}
+    summed = build.op("Conv", [x, build.const(np.ones([channels, 1, *kernel]))], **attributes)
+    include_pad = build.attribute("count_include_pad", 0)
+    if not any(extra) and (include_pad or not any(pads)):
         build.op("Mul", [summed, build.const(1.0 / np.prod(kernel))], _output(build))
         return
-    # count only real (unpadded) positions: pool a tensor of ones shaped like one channel of x
+    # the divisor per output: pool ones shaped like one channel of x (its padding counted as ones with count_include_pad)
     shape = build.op("Shape", [x])
     one_channel = build.op("Concat", [build.op("Slice", [shape, build.const([0], np.int64), build.const([1], np.int64)]),
                                       build.const([1], np.int64),
-                                      build.op("Slice", [shape, build.const([2], np.int64), build.const([len(kernel) + 2], np.int64)])],
+                                      build.op("Slice", [shape, build.const([2], np.int64), build.const([dims + 2], np.int64)])],
                            axis=0)  # fmt: skip
     ones_like = build.op("ConstantOfShape", [one_channel], value=numpy_helper.from_array(np.ones([1], np.float32)))
+    if include_pad:
+        ones_like = build.op("Pad", [ones_like, build.const([0, 0, *pads[:dims], 0, 0, *pads[dims:]], np.int64), build.const(1.0)])
+        attributes["pads"] = [0] * dims + extra
     counts = build.op("Conv", [ones_like, build.const(np.ones([1, 1, *kernel]))], **{**attributes, "group": 1})
     build.op("Div", [summed, counts], _output(build))
 

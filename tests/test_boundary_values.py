@@ -208,14 +208,23 @@ def test_instance_normalization(rows):
     check_against_torch(model, reference, values, list(values), upstream, floor=floor)
 
 
-@pytest.mark.parametrize("attributes", [{"kernel_shape": [2, 2], "strides": [2, 2]},
-                                        {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "count_include_pad": 0},
-                                        {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "count_include_pad": 1}])  # fmt: skip
-def test_average_pool(attributes):
-    x = np.arange(32, dtype=np.float32).reshape(1, 2, 4, 4) - 16
-    x[0, 0, 0, 0], x[0, 1, 3, 3], x[0, 1, 0, 1] = np.inf, 1e30, 1e-30
+@pytest.mark.parametrize("attributes, size", [
+    ({"kernel_shape": [2, 2], "strides": [2, 2]}, 4),
+    ({"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "count_include_pad": 0}, 4),
+    ({"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "count_include_pad": 1}, 4),
+    ({"kernel_shape": [3, 3], "strides": [2, 2], "ceil_mode": 1}, 6),  # a partial last window
+    ({"kernel_shape": [2, 2], "strides": [2, 2], "pads": [1, 1, 1, 1], "ceil_mode": 1, "count_include_pad": 1}, 5),
+    ({"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "ceil_mode": 1, "count_include_pad": 0}, 6),
+    ({"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "ceil_mode": 1, "count_include_pad": 1}, 6),
+])  # fmt: skip
+def test_average_pool(attributes, size):
+    """ceil_mode: the partial last window divides by what it covers; none starts in the end padding (size 5,
+    kernel 2, stride 2, pad 1 makes 3 windows, not 4)."""
+    x = np.arange(2 * size * size, dtype=np.float32).reshape(1, 2, size, size) - size * size
+    x[0, 0, 0, 0], x[0, 1, -1, -1], x[0, 1, 0, 1] = np.inf, 1e30, 1e-30
     padding = attributes.get("pads", [0])[0]
     reference = lambda x: F.avg_pool2d(x, attributes["kernel_shape"], attributes.get("strides", 1), padding,  # noqa: E731
+                                       ceil_mode=bool(attributes.get("ceil_mode", 0)),
                                        count_include_pad=bool(attributes.get("count_include_pad", 0)))  # fmt: skip
     upstream = upstream_like(reference(torch.tensor(x)).shape)
     model = single_op_model("AveragePool", ["x"], {"x": x}, upstream, attributes)

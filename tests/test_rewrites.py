@@ -96,6 +96,10 @@ CASES = {
     "AveragePool": (lambda: Around(nn.AvgPool2d(2), images=True), images),
     "AveragePool (padding, count_include_pad=False)": (
         lambda: Around(nn.AvgPool2d(3, stride=1, padding=1, count_include_pad=False), images=True), images),
+    "AveragePool (ceil_mode, padding)": (lambda: Around(nn.AvgPool2d(3, stride=2, padding=1, ceil_mode=True), images=True),
+                                         images),  # fmt: skip
+    "AveragePool (ceil_mode, count_include_pad=False)": (
+        lambda: Around(nn.AvgPool2d(3, stride=2, ceil_mode=True, count_include_pad=False), images=True), images),
     "AveragePool (1d)": (lambda: Around(lambda h: F.avg_pool1d(h.reshape(6, 2, 4), 2)), vectors),
     "DepthToSpace (PixelShuffle)": (lambda: Around(nn.PixelShuffle(2), images=True), images),
     "Resize (nearest)": (lambda: Around(nn.Upsample(scale_factor=2), images=True), images),
