@@ -676,9 +676,29 @@ def _padding_indices(mode: str, length: int, before: int, after: int) -> np.ndar
     return indices[max(-before, 0) : len(indices) - max(-after, 0)]
 
 
+_SLICED_PADDING = 4  # at most this many positions a side are copied as one-wide Slices, more by a Gather
+
+
+def _copied_along(build, x, axis, indices, head, length, output=None):
+    """x's positions ``indices`` along ``axis``, the first ``head`` of them before x's own: for a padding
+    of a few positions, one-wide Slices of those and x itself, concatenated (their gradients are cheap
+    copies; a Gather's is a scatter); else (a long or cropping padding) a Gather."""
+    middle = indices[head : head + length]
+    tail = indices[head + length :]
+    if head > _SLICED_PADDING or len(tail) > _SLICED_PADDING or not np.array_equal(middle, np.arange(length)):
+        return _gathered(build, x, axis, indices, output)
+    axes = build.const([axis], np.int64)
+    pieces = [build.op("Slice", [x, build.const([int(i)], np.int64), build.const([int(i) + 1], np.int64), axes])
+              for i in indices[:head]]  # fmt: skip
+    pieces.append(x)
+    pieces += [build.op("Slice", [x, build.const([int(i)], np.int64), build.const([int(i) + 1], np.int64), axes]) for i in tail]
+    return build.op("Concat", pieces, output, axis=axis)
+
+
 def edge_pad(build):
-    """Pad in reflect or edge mode (torch's reflection and replication padding) as a Gather of constant
-    indices per padded axis: ONNX Runtime's Pad gradient takes constant padding only. Constant padding is kept."""
+    """Pad in reflect or edge mode (torch's reflection and replication padding) as copies of constant
+    positions per padded axis (``_copied_along``): ONNX Runtime's Pad gradient takes constant padding only.
+    Constant padding is kept."""
     mode = build.attribute("mode", "constant")
     if mode == "constant":
         return False
@@ -695,7 +715,8 @@ def edge_pad(build):
             indices = _padding_indices(mode, length, pads[axis], pads[axis + rank])
         except RewriteError as error:
             raise RewriteError(f"Pad node '{build.node.name}': {error}") from None
-        padded = _gathered(build, padded, axis, indices, _output(build) if axis == padded_axes[-1] else None)
+        output = _output(build) if axis == padded_axes[-1] else None
+        padded = _copied_along(build, padded, axis, indices, max(pads[axis], 0), length, output)
     if not padded_axes:
         build.op("Identity", [x], _output(build))
 
