@@ -16,6 +16,7 @@ the torch state that is not in the graph, and the checks every batch must pass.
 """
 
 import copy
+import warnings
 from dataclasses import dataclass
 
 import onnx
@@ -217,7 +218,8 @@ def from_torch(source, exported, device, providers, data_parallel=None, shared=N
     facts = graph.infer_tensor_facts(onnx_model)
     trainable = _trainable(module, onnx_model, desc.loss_output.name, options, facts)
     # the first-step check's torch side, taken before any ONNX Runtime memory exists (NOTES.md §18)
-    reference = _torch_reference(source, exported) if options.debug.check_against_torch != "off" else None
+    checked = options.debug.check_against_torch != "off" and not _random_draws_refuse_the_check(onnx_model)
+    reference = _torch_reference(source, exported) if checked else None
     in_graph = _in_graph(onnx_model, exported.state)
     if shared is None:
         untrained = [name for name in in_graph if name not in trainable]
@@ -501,6 +503,20 @@ def _save_debug_graphs(graphs, paths) -> None:
         onnx.save(graphs.train, paths.model_with_training_graph_path)
     if paths.model_after_graph_transforms_path:
         onnx.save(graphs.eval, paths.model_after_graph_transforms_path)
+
+
+def _random_draws_refuse_the_check(model: onnx.ModelProto) -> bool:
+    """Warn and return True when the forward draws random numbers besides dropout (a stochastic depth's
+    bernoulli_, noise): torch and ONNX Runtime cannot draw them alike, so the first-step check could not
+    compare (its rounding estimate, rerunning torch, would excuse any difference instead)."""
+    draws = [graph.describe_node(node) for node in model.graph.node if node.op_type in graph.RANDOM_OPS]
+    if draws:
+        warnings.warn(
+            f"orttrainer: debug.check_against_torch skipped for this graph: its forward draws random numbers, which torch "
+            f"and ONNX Runtime cannot draw alike ({'; '.join(draws[:3])}); set debug.check_against_torch to 'off' to "
+            "silence this"
+        )
+    return bool(draws)
 
 
 def _rank_fingerprint(weights: dict, trainable, options) -> bytes:

@@ -121,6 +121,10 @@ def module_path(node_name: str) -> str:
     return path[len("model.") :] if path.startswith("model.") else path
 
 
+# Ops that draw random numbers (Dropout aside, which the trainer turns off for the first-step check).
+RANDOM_OPS = ("RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike", "Multinomial", "Bernoulli")
+
+
 def describe_node(node: onnx.NodeProto) -> str:
     where = module_path(node.name)
     return f"{node.op_type} (node '{node.name}'" + (f", module '{where}')" if where else ")")

@@ -384,6 +384,34 @@ def test_builtin_check_runs_once_per_graph_and_leaves_training_unchanged(monkeyp
     assert calls == [1]
 
 
+class StochasticDepth(nn.Module):
+    """A residual branch dropped per sample (timm's drop_path), a random draw besides dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.branch = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        keep = x.new_empty(x.shape[0], 1).bernoulli_(0.5) if self.training else 1.0
+        return self.head(x + self.branch(x) * keep / 0.5)
+
+
+def test_builtin_check_is_skipped_with_a_warning_when_forward_draws_random_numbers(monkeypatch):
+    """torch and ONNX Runtime cannot draw the same numbers, and the check's rounding estimate (torch rerun with
+    nudged weights, drawing again) would excuse any difference: the check is skipped, saying why and where."""
+    from orttrainer import verify
+
+    monkeypatch.setattr(verify, "torch_step", lambda *args, **kwargs: pytest.fail("the check ran"))
+    torch.manual_seed(0)
+    trainer = ORTTrainer(StochasticDepth(), None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy,
+                         options=cpu_options({"debug": {"check_against_torch": "error"}}))  # fmt: skip
+    with pytest.warns(UserWarning, match=r"check_against_torch skipped for this graph: its forward draws random numbers"
+                                         r".*RandomUniformLike \(node '/model/RandomUniformLike'"):  # fmt: skip
+        losses = [trainer.train_step(torch.randn(16, 8), torch.randint(0, 3, (16,)))[0] for _ in range(3)]
+    assert all(torch.isfinite(loss) for loss in losses)
+
+
 class PickPositions(nn.Module):
     """Advanced indexing with index tensors from the batch, as sequence models pick the last token."""
 
