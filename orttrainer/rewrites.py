@@ -688,10 +688,11 @@ def _copied_along(build, x, axis, indices, head, length, output=None):
     if head > _SLICED_PADDING or len(tail) > _SLICED_PADDING or not np.array_equal(middle, np.arange(length)):
         return _gathered(build, x, axis, indices, output)
     axes = build.const([axis], np.int64)
-    pieces = [build.op("Slice", [x, build.const([int(i)], np.int64), build.const([int(i) + 1], np.int64), axes])
-              for i in indices[:head]]  # fmt: skip
-    pieces.append(x)
-    pieces += [build.op("Slice", [x, build.const([int(i)], np.int64), build.const([int(i) + 1], np.int64), axes]) for i in tail]
+
+    def position(index):
+        return build.op("Slice", [x, build.const([int(index)], np.int64), build.const([int(index) + 1], np.int64), axes])
+
+    pieces = [position(index) for index in indices[:head]] + [x] + [position(index) for index in tail]
     return build.op("Concat", pieces, output, axis=axis)
 
 
