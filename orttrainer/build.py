@@ -430,11 +430,16 @@ def _convolutions_on_torch(options, device, one_thread: bool) -> bool:
     runs them as fast, with less memory: benchmarks/NOTES.md §18). Not when the optimized graph is saved
     (one graph to save)."""
     kernels = options.utils.convolution_kernels
+    return _splits_for_torch(options, device) and (kernels == "torch" or (kernels == "auto" and not one_thread))
+
+
+def _splits_for_torch(options, device) -> bool:
+    """Whether graphs may be cut for torch's kernels: on the CPU in float32 (torch's kernels there are
+    float32 ones), and not when the optimized graph is saved (one graph to save)."""
     return (
         device.type == "cpu"
         and not options.mixed_precision.enabled
         and not options.debug.graph_save_paths.model_with_training_graph_after_optimization_path
-        and (kernels == "torch" or (kernels == "auto" and not one_thread))
     )
 
 
@@ -461,15 +466,13 @@ def _open_sessions(graphs, device, providers, options, one_thread: bool, convolu
     def open_session(model, use_all_threads=True):
         return session.TorchBoundSession(model, device, providers, all_threads if use_all_threads else one_thread_only)
 
-    # LSTMs always (§21). Never under mixed precision (float16 kernels).
-    cpu_float32 = device.type == "cpu" and not options.mixed_precision.enabled
-    splits = cpu_float32 and not debug.graph_save_paths.model_with_training_graph_after_optimization_path  # one graph to save
+    splits = _splits_for_torch(options, device)  # LSTMs and GRUs whatever the convolutions do (§21)
 
     def open_graph(model):
         if splits and torch_convolutions.can_split(model, convolutions):
             return torch_convolutions.SplitSession(model, open_session, convolutions)
-        if cpu_float32:
-            cpu_kernels.use_fast_cpu_kernels(model)  # what the build left for torch's kernels
+        if convolutions:
+            cpu_kernels.use_fast_cpu_kernels(model)  # what the build left for torch's kernels, which will not run it
         if device.type == "cpu":
             graph.refuse_one_direction_kernels(model)
         return open_session(model)

@@ -581,6 +581,10 @@ def nearest_upsample(build):
     build.op("Reshape", [grown, build.const(merged, np.int64)], _output(build))
 
 
+def _gathered(build, x, axis, indices, output=None):
+    return build.op("Gather", [x, build.const(np.asarray(indices, np.int64), np.int64)], output, axis=axis)
+
+
 def _source_coordinates(transform: str, length: int, size: int, scale: float, from_scales: bool):
     """torch's upsample_linear source coordinate of each of ``size`` outputs on an axis of ``length``, in
     float32 as torch computes it: its scale is 1 / scale_factor when the export carries scales, else
@@ -623,16 +627,11 @@ def linear_resize(build):
         second = first + (first < length - 1)
         weight = source - first.astype(np.float32)
         along = [size] + [1] * (rank - 1 - axis)
-        terms = [build.op("Mul", [build.op("Gather", [resized, build.const(index, np.int64)], axis=axis),
-                                  build.const(factor.reshape(along))])
+        terms = [build.op("Mul", [_gathered(build, resized, axis, index), build.const(factor.reshape(along))])
                  for index, factor in ((first, np.float32(1.0) - weight), (second, weight))]  # fmt: skip
         resized = build.op("Add", terms, _output(build) if axis == axes[-1] else None)
     if not axes:
         build.op("Identity", [x], _output(build))
-
-
-def _gathered(build, x, axis, indices, output=None):
-    return build.op("Gather", [x, build.const(np.asarray(indices, np.int64), np.int64)], output, axis=axis)
 
 
 def _slice_indices(length: int, start: int, end: int, step: int) -> np.ndarray:

@@ -153,6 +153,7 @@ def torch_can_run(node: onnx.NodeProto) -> bool:
 # convolutions on torch they cost no extra boundary (benchmarks/NOTES.md §23).
 GRADIENTS_BETWEEN_CONVOLUTIONS = ("ReluGrad", "BatchNormalizationGrad")
 _JOINING_OPS = ("Identity", "Sum")  # on torch when they only pass on and add what torch computed
+_NODE_STEPS = {"ReluGrad": _ReluGradient, "BatchNormalizationGrad": _BatchNormGradient, "Identity": _Sum, "Sum": _Sum}
 
 
 def runs_convolutions(nodes) -> bool:
@@ -175,10 +176,11 @@ def _joining_torch_gradients(nodes, on_torch: set) -> set:
     """Identity and Sum nodes that only pass on and add what torch computed (a residual block's two
     gradient paths): on torch they cost no segment between two torch steps."""
     producers = {name: node.name for node in nodes for name in node.output if name}
-    joining = set()
+    known, joining = set(on_torch), set()
     for node in nodes:  # in graph order: an Identity's output can feed a Sum
-        if node.op_type in _JOINING_OPS and all(producers.get(name) in on_torch | joining for name in node.input):
+        if node.op_type in _JOINING_OPS and all(producers.get(name) in known for name in node.input):
             joining.add(node.name)
+            known.add(node.name)
     return joining
 
 
@@ -337,12 +339,8 @@ class SplitSession:
         self._released.reverse()
 
     def _torch_step(self, node: onnx.NodeProto):
-        if node.op_type == "ReluGrad":
-            return _ReluGradient(node)
-        if node.op_type == "BatchNormalizationGrad":
-            return _BatchNormGradient(node)
-        if node.op_type in _JOINING_OPS:
-            return _Sum(node)
+        if node.op_type in _NODE_STEPS:
+            return _NODE_STEPS[node.op_type](node)
         kind = torch_recurrent.KINDS.get(node.op_type)
         if kind is None:
             return _Convolution(node)
