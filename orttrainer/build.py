@@ -24,7 +24,7 @@ import onnxruntime
 import torch
 from onnx import numpy_helper
 
-from . import cpu_kernels, export, graph, session, torch_convolutions, verify
+from . import cpu_kernels, defined_gradients, export, graph, session, torch_convolutions, verify
 from .model_desc import _ORTTrainerModelDesc, forward_parameters, infer_model_desc
 
 
@@ -405,8 +405,8 @@ def _build(onnx_model, model_desc, weights, trainable, options, device, provider
     frozen = [name for name in weights if name not in trainable]
     mixed_precision = options.mixed_precision.enabled
     one_thread = device.type == "cpu" and graph.small_convolutions_dominate(onnx_model, facts)
-    convolutions = _convolutions_on_torch(options, device, one_thread)
-    keep_for_torch = torch_convolutions.GRADIENTS_BETWEEN_CONVOLUTIONS if convolutions and torch_convolutions.runs_convolutions(
+    convolutions = _convolutions_on_torch(options, device, onnx_model, facts)
+    keep_for_torch = torch_convolutions.STEPS_BETWEEN_CONVOLUTIONS if convolutions and torch_convolutions.runs_convolutions(
         onnx_model.graph.node) else ()  # fmt: skip
     graphs = graph.build_training_graphs(
         onnx_model, trainable, frozen, model_desc.loss_output.name, [entry.name for entry in model_desc.outputs],
@@ -424,13 +424,15 @@ def _build(onnx_model, model_desc, weights, trainable, options, device, provider
     return runtime
 
 
-def _convolutions_on_torch(options, device, one_thread: bool) -> bool:
+def _convolutions_on_torch(options, device, onnx_model, facts) -> bool:
     """Whether a graph's convolutions run on torch's kernels (torch_convolutions.py): on the CPU in float32,
-    by ``utils.convolution_kernels``; "auto": not for graphs of small convolutions (one ONNX Runtime thread
-    runs them as fast, with less memory: benchmarks/NOTES.md §18). Not when the optimized graph is saved
-    (one graph to save)."""
+    by ``utils.convolution_kernels``; "auto": where they are enough work per image to pay for the
+    boundaries (``graph.convolutions_worth_splitting``; benchmarks/NOTES.md §18, §26). Not when the
+    optimized graph is saved (one graph to save)."""
     kernels = options.utils.convolution_kernels
-    return _splits_for_torch(options, device) and (kernels == "torch" or (kernels == "auto" and not one_thread))
+    if not _splits_for_torch(options, device) or kernels == "onnxruntime":
+        return False
+    return kernels == "torch" or graph.convolutions_worth_splitting(onnx_model, facts)
 
 
 def _splits_for_torch(options, device) -> bool:
@@ -471,8 +473,9 @@ def _open_sessions(graphs, device, providers, options, one_thread: bool, convolu
     def open_graph(model):
         if splits and torch_convolutions.can_split(model, convolutions):
             return torch_convolutions.SplitSession(model, open_session, convolutions)
-        if convolutions:
-            cpu_kernels.use_fast_cpu_kernels(model)  # what the build left for torch's kernels, which will not run it
+        if convolutions:  # what the build left for torch's kernels, which will not run it
+            cpu_kernels.use_fast_cpu_kernels(model)
+            defined_gradients.spell_forwards(model)
         if device.type == "cpu":
             graph.refuse_one_direction_kernels(model)
         return open_session(model)

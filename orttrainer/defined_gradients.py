@@ -7,7 +7,9 @@ gradient is the few elementwise passes of torch's own backward kernel, where an 
 into primitive ops (rewrites.py) has ONNX Runtime differentiate a dozen of them (benchmarks/NOTES.md §19).
 
 ONNX Runtime's forward kernels for these ops round differently from torch's near the kinks, so
-after the build the forward node is spelled out as torch computes it (``spell_forwards``).
+after the build the forward node is spelled out as torch computes it (``spell_forwards``), unless
+torch's kernels will run it: between convolutions on torch, the forward node and its gradient's
+nodes (``gradient_nodes``) are one torch call each (torch_convolutions.py).
 The registry is the process's: a definition is registered once, for an op type that has no
 gradient builder of its own.
 """
@@ -84,7 +86,22 @@ def _torch_hard_swish(build: NodeBuilder):
 _TORCH_FORWARDS = {"HardSwish": _torch_hard_swish}
 
 
-def spell_forwards(model: onnx.ModelProto) -> list:
-    """Replace, in place, each forward node of an op with a defined gradient by torch's formula; return their names."""
-    targets = [node for node in model.graph.node if node.op_type in _TORCH_FORWARDS and node.domain in ("", "ai.onnx")]
+def spell_forwards(model: onnx.ModelProto, keep_op_types=()) -> list:
+    """Replace, in place, each forward node of an op with a defined gradient by torch's formula, but those of
+    ``keep_op_types`` (which torch's kernels will run); return their names."""
+    spelled = set(_TORCH_FORWARDS) - set(keep_op_types)
+    targets = [node for node in model.graph.node if node.op_type in spelled and node.domain in ("", "ai.onnx")]
     return replace_nodes(model, _TORCH_FORWARDS, targets)
+
+
+def gradient_nodes(nodes, forward: onnx.NodeProto) -> list:
+    """The nodes the builder made from ``forward``'s gradient definition, or [] if they are not all there.
+
+    The builder names each '<forward node name>_Grad/<op type>_<index>' and turns the Constant nodes
+    into initializers; the other op types must be the definition's, one for one, so that a graph
+    changed after the build is never mistaken for it.
+    """
+    prefix = f"{forward.name}_Grad/"
+    found = [node for node in nodes if node.name.startswith(prefix)]
+    expected = sorted(node[0] for node in GRADIENT_DEFINITIONS[forward.op_type] if node[0] != "Constant")
+    return found if sorted(node.op_type for node in found if node.op_type != "Constant") == expected else []

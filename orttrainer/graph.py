@@ -70,6 +70,9 @@ _FLOAT32_OPS = [
 # Below this many multiply-accumulates per image, a convolution is cheaper on one CPU thread
 # than the thread-pool wake-ups ONNX Runtime's Conv/ConvGrad pay per image (benchmarks/NOTES.md §8).
 SMALL_CONVOLUTION_MACS = 1_000_000
+# Below this many multiply-accumulates of convolutions per image, a graph runs faster whole than cut
+# for torch's convolutions: the boundaries cost more than torch's kernels save (benchmarks/NOTES.md §26).
+SPLIT_CONVOLUTION_MACS = 3_000_000
 
 
 class GradientBuildError(RuntimeError):
@@ -420,7 +423,7 @@ class TensorFacts:
 
     Inference walks the whole graph. A build infers its forward graph once and hands the result
     to each question about that graph (which weights reach the loss, which nodes lie on gradient
-    paths, whether small convolutions dominate) instead of each question inferring it again.
+    paths, how much work the convolutions are) instead of each question inferring it again.
     Rewriting weights into graph inputs, naming nodes or dropping empty inputs changes no fact.
     """
 
@@ -605,25 +608,34 @@ def _macs_per_sample(node: onnx.NodeProto, shapes: dict):
     return None if None in dims else int(np.prod(dims))
 
 
+def _work_per_sample(model: onnx.ModelProto, facts: TensorFacts = None) -> list:
+    """(node, multiply-accumulates per sample) of each Conv, Gemm and MatMul of known shapes.
+
+    The forward graph answers for the training and eval graphs built from it: they hold the
+    same Conv, Gemm and MatMul nodes on tensors of the same shapes.
+    """
+    if not any(node.op_type == "Conv" for node in model.graph.node):
+        return []
+    shapes = (facts or infer_tensor_facts(model)).shapes
+    work = [(node, _macs_per_sample(node, shapes)) for node in model.graph.node]
+    return [(node, macs) for node, macs in work if macs is not None]
+
+
 def small_convolutions_dominate(model: onnx.ModelProto, facts: TensorFacts = None) -> bool:
     """True when convolutions below ``SMALL_CONVOLUTION_MACS`` per image do most of the work.
 
     Such graphs (LeNet-sized CNNs) train faster with one intra-op thread: ONNX Runtime's
     CPU Conv and ConvGrad open a thread-pool section per image, and with spinning off
     each costs a wake-up of the second thread worth more than its share of the work.
-    The forward graph answers for the training and eval graphs built from it: they hold
-    the same Conv, Gemm and MatMul nodes on tensors of the same shapes.
     """
-    if not any(node.op_type == "Conv" for node in model.graph.node):
-        return False
-    shapes = (facts or infer_tensor_facts(model)).shapes
-    small = total = 0
-    for node in model.graph.node:
-        macs = _macs_per_sample(node, shapes)
-        if macs is not None:
-            total += macs
-            small += macs if node.op_type == "Conv" and macs < SMALL_CONVOLUTION_MACS else 0
-    return small > total / 2
+    work = _work_per_sample(model, facts)
+    small = sum(macs for node, macs in work if node.op_type == "Conv" and macs < SMALL_CONVOLUTION_MACS)
+    return small > sum(macs for _, macs in work) / 2
+
+
+def convolutions_worth_splitting(model: onnx.ModelProto, facts: TensorFacts = None) -> bool:
+    """True when the convolutions total at least ``SPLIT_CONVOLUTION_MACS`` per image (torch_convolutions.py)."""
+    return sum(macs for node, macs in _work_per_sample(model, facts) if node.op_type == "Conv") >= SPLIT_CONVOLUTION_MACS
 
 
 def _quiet_session_options() -> onnxruntime.SessionOptions:
@@ -643,7 +655,8 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     of the loss times the ``LOSS_SCALE_INPUT`` input. ``on_cpu`` (the graphs run on the CPU)
     replaces, in float32 graphs, kernels measured slow there by fast equivalents and ones that
     differ from torch's by exact ones (``cpu_kernels``), but for the op types ``keep_for_torch``
-    (torch's kernels will run them, torch_convolutions.py).
+    (torch's kernels will run them, torch_convolutions.py), which also keep their forward nodes of a
+    defined gradient unspelled (``defined_gradients.spell_forwards``).
     ``lookups`` ({Gather node name: export.EmbeddingLookup}) carry torch's embedding gradient rules;
     ``facts`` (``infer_tensor_facts(forward)``), when the caller has them, spare an inference.
     """
@@ -683,8 +696,8 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     except RuntimeError as error:
         raise _builder_error(error, optimized.graph) from error
     train_model = onnx.load_from_string(builder.get_model())
-    defined_gradients.spell_forwards(train_model)
-    defined_gradients.spell_forwards(eval_model)
+    defined_gradients.spell_forwards(train_model, keep_for_torch)
+    defined_gradients.spell_forwards(eval_model, keep_for_torch)
     if mixed_precision:
         _float32_gradient_kernels(train_model)
     elif on_cpu:

@@ -7,8 +7,9 @@ faster (benchmarks/NOTES.md §15, §18). :class:`SplitSession` cuts the graph at
 ``Conv`` and ``ConvGrad`` nodes (and its LSTM and GRU nodes, torch_recurrent.py): torch runs
 those (``aten::convolution`` and ``aten::convolution_backward``, with the arguments torch's own
 ``nn.Conv*d`` and autograd pass), the ReLU and BatchNorm gradients between them
-(``threshold_backward``, ``native_batch_norm_backward``) and the sums of the gradients torch
-computed (§23); the nodes between them run as ONNX Runtime
+(``threshold_backward``, ``native_batch_norm_backward``), hardswish and its gradient (``hardswish``,
+``hardswish_backward``, where ONNX Runtime runs a dozen nodes) and the sums of the gradients torch
+computed (§23, §26); the nodes between them run as ONNX Runtime
 sessions of their own (segments). Tensors cross a boundary without copies: a segment's outputs
 come back by DLPack, its inputs are bound by pointer. Nodes are scheduled so that every
 convolution ready at a point runs in the same gap between two segments, which keeps the number
@@ -24,10 +25,14 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
-from . import session, torch_recurrent
+from . import defined_gradients, session, torch_recurrent
 from .rewrites import node_attributes
 
 TORCH_OPS = ("Conv", "ConvGrad")
+# A HardSwish gradient's nodes (defined_gradients.py) collapsed into one node for torch; not an ONNX
+# Runtime op, so a graph holding it cannot run anywhere but in a SplitSession.
+HARD_SWISH_GRADIENT = "HardSwishGrad"
+_TORCH_DOMAIN = "orttrainer.torch"
 _HALF_TYPES = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 
 
@@ -125,6 +130,20 @@ class _BatchNormGradient(_NodeStep):
         return {name: gradient for name, gradient, needed in zip(self.outputs, gradients, wanted) if needed}
 
 
+class _HardSwish(_NodeStep):
+    """A ``HardSwish`` node as torch's ``hardswish`` (whose rounding ONNX Runtime's kernel does not share)."""
+
+    def run(self, values: dict) -> dict:
+        return {self.outputs[0]: torch.nn.functional.hardswish(values[self.inputs[0]])}
+
+
+class _HardSwishGradient(_NodeStep):
+    """A collapsed HardSwish gradient (dy, x) as torch's ``hardswish_backward``: one pass."""
+
+    def run(self, values: dict) -> dict:
+        return {self.outputs[0]: torch.ops.aten.hardswish_backward(values[self.inputs[0]], values[self.inputs[1]])}
+
+
 class _Sum(_NodeStep):
     """A ``Sum`` (or ``Identity``) node as torch's additions, left to right; an Identity hands its input on."""
 
@@ -149,27 +168,67 @@ def torch_can_run(node: onnx.NodeProto) -> bool:
     return known and "kernel_shape" in attributes and min(attributes.get("pads", [0])) >= 0
 
 
-# Gradients that torch computes in one pass where the segments would take several: between two
-# convolutions on torch they cost no extra boundary (benchmarks/NOTES.md §23).
-GRADIENTS_BETWEEN_CONVOLUTIONS = ("ReluGrad", "BatchNormalizationGrad")
+# Ops torch computes in one pass where the segments would take several: between two convolutions
+# on torch they cost no extra boundary (benchmarks/NOTES.md §23, §26).
+STEPS_BETWEEN_CONVOLUTIONS = ("ReluGrad", "BatchNormalizationGrad", "HardSwish", HARD_SWISH_GRADIENT)
 _JOINING_OPS = ("Identity", "Sum")  # on torch when they only pass on and add what torch computed
-_NODE_STEPS = {"ReluGrad": _ReluGradient, "BatchNormalizationGrad": _BatchNormGradient, "Identity": _Sum, "Sum": _Sum}
+_NODE_STEPS = {
+    "ReluGrad": _ReluGradient,
+    "BatchNormalizationGrad": _BatchNormGradient,
+    "HardSwish": _HardSwish,
+    HARD_SWISH_GRADIENT: _HardSwishGradient,
+    "Identity": _Sum,
+    "Sum": _Sum,
+}
 
 
 def runs_convolutions(nodes) -> bool:
-    """Whether torch would run convolutions among ``nodes`` (then also ``GRADIENTS_BETWEEN_CONVOLUTIONS``)."""
+    """Whether torch would run convolutions among ``nodes`` (then also ``STEPS_BETWEEN_CONVOLUTIONS``)."""
     return any(torch_can_run(node) for node in nodes)
 
 
 def torch_nodes(nodes, convolutions: bool) -> set:
     """Names of the nodes torch runs: the LSTMs and GRUs torch can take (in training, both ways),
-    and with ``convolutions`` the convolutions and, when there are any, the ReLU and BatchNorm gradients
+    and with ``convolutions`` the convolutions and, when there are any, the ``STEPS_BETWEEN_CONVOLUTIONS``
     and the sums of torch's gradients."""
     names = torch_recurrent.torch_nodes(nodes)
     if convolutions and runs_convolutions(nodes):
-        names |= {node.name for node in nodes if torch_can_run(node) or node.op_type in GRADIENTS_BETWEEN_CONVOLUTIONS}
+        names |= {node.name for node in nodes if torch_can_run(node) or node.op_type in STEPS_BETWEEN_CONVOLUTIONS}
         names |= _joining_torch_gradients(nodes, names)
     return names
+
+
+def collapse_hard_swish_gradients(model: onnx.ModelProto) -> int:
+    """Replace, in place, each HardSwish gradient's nodes (defined_gradients.py) by one
+    ``HARD_SWISH_GRADIENT`` node (dy, x) for torch; return how many.
+
+    A group that reads anything but the HardSwish's input and one incoming gradient, or hands on
+    more than one result, is left to ONNX Runtime (it computes the same, in more passes).
+    """
+    nodes = list(model.graph.node)
+    graph_outputs = {output.name for output in model.graph.output}
+    constants = {initializer.name for initializer in model.graph.initializer}
+    collapsed = {}  # id of a gradient node: the node that replaces its group (None: dropped)
+    for forward in [node for node in nodes if node.op_type == "HardSwish"]:
+        group = defined_gradients.gradient_nodes(nodes, forward)
+        inside = {id(node) for node in group}
+        written = {name for node in group for name in node.output if name}
+        read = {name for node in group for name in node.input if name and name not in written | constants}
+        handed_on = {name for node in nodes if id(node) not in inside for name in node.input if name in written}
+        handed_on |= written & graph_outputs
+        if not group or len(handed_on) != 1 or len(read) != 2 or forward.input[0] not in read:
+            continue
+        (gradient,) = read - {forward.input[0]}
+        (result,) = handed_on
+        for node in group:
+            collapsed[id(node)] = None
+        last = next(node for node in group if result in node.output)
+        collapsed[id(last)] = helper.make_node(HARD_SWISH_GRADIENT, [gradient, forward.input[0]], [result],
+                                               name=f"{forward.name}_Grad/torch", domain=_TORCH_DOMAIN)  # fmt: skip
+    kept = [collapsed.get(id(node), node) for node in nodes]
+    del model.graph.node[:]
+    model.graph.node.extend(node for node in kept if node is not None)
+    return sum(node is not None for node in collapsed.values())
 
 
 def _joining_torch_gradients(nodes, on_torch: set) -> set:
@@ -309,6 +368,8 @@ class SplitSession:
 
     def __init__(self, model: onnx.ModelProto, open_session, convolutions: bool = True):
         self._model, self._open_session, self._convolutions = model, open_session, convolutions
+        if convolutions and runs_convolutions(model.graph.node):
+            collapse_hard_swish_gradients(model)
         self.input_names = {graph_input.name for graph_input in model.graph.input}
         self.output_names = [output.name for output in model.graph.output]
         self._inputs, self._bound_outputs, self._allocated = {}, {}, []

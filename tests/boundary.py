@@ -27,6 +27,8 @@ LOSS = "loss"
 ULPS = 8
 # absolute slack under every comparison: ONNX Runtime's kernels may flush denormals to 0
 FLOOR = float(FLOAT32.tiny)
+# hardsigmoid's and hardswish's kinks and their float32 neighbours
+KINKS = [3.0, -3.0, 2.9999998, -2.9999998, 3.0000002, -3.0000002]
 
 
 def edge_values(*extra):

@@ -16,12 +16,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from boundary import (FLOAT32, FLOOR, ULPS, check_against_torch, edge_values, exported_model, op_types, run_training_graph,
+from boundary import (FLOAT32, FLOOR, KINKS, ULPS, check_against_torch, edge_values, exported_model, op_types, run_training_graph,
                       single_op_model, spread, torch_reference, upstream_like)  # fmt: skip
 
 from orttrainer import graph
 
-KINKS = [3.0, -3.0, 2.9999998, -2.9999998, 3.0000002, -3.0000002]
 
 # op: (attributes, torch function, inputs beyond edge_values())
 UNARY = {

@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import zoo
 from onnx import TensorProto, helper
+from boundary import FLOOR, KINKS, ULPS, edge_values, spread, upstream_like
 from parity import assert_close_state, cpu_options, run_parity
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
@@ -103,7 +104,7 @@ def test_resnet_trains_like_torch_with_adam_and_every_convolution_on_torch():
     trainer, _ = run_parity(model, batches, config, adam, loss_fn=F.cross_entropy, options=options)
     session = _last_runtime(trainer).train_session
     nodes = session._model.graph.node
-    kinds = split.TORCH_OPS + split.GRADIENTS_BETWEEN_CONVOLUTIONS
+    kinds = split.TORCH_OPS + ("ReluGrad", "BatchNormalizationGrad")
     assert {node.name for node in nodes if node.op_type in kinds} <= session.on_torch
     on_torch = {node.op_type for node in nodes if node.name in session.on_torch}
     assert on_torch == set(kinds) | {"Identity", "Sum"}  # the residual blocks' gradient paths, joined on torch
@@ -162,6 +163,69 @@ def test_auto_splits_graphs_whose_work_is_in_larger_convolutions():
     trainer, _ = run_parity(model, batches, optim.SGDConfig(lr=LR), functools.partial(torch.optim.SGD, lr=LR),
                             loss_fn=F.cross_entropy)  # fmt: skip
     assert isinstance(_last_runtime(trainer).train_session, split.SplitSession)
+
+
+def test_auto_splits_a_mobilenet_whose_convolutions_are_small_but_many():
+    """Depthwise and 1x1 convolutions, each small, ~6M multiply-accumulates per image in all: split,
+    where the hardswish passes run on torch too (benchmarks/NOTES.md §26)."""
+    blocks = ((16, 64, 24, 2), (24, 72, 24, 1), (24, 96, 40, 2), (40, 120, 40, 1))
+    model = zoo.MobileNetV3(classes=10, blocks=blocks, stem_stride=1)
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=LR), loss_fn=F.cross_entropy, options=cpu_options())
+    trainer.train_step(*zoo.image_batch(2, size=32, generator=torch.Generator().manual_seed(0)))
+    assert isinstance(_last_runtime(trainer).train_session, split.SplitSession)
+
+
+def test_mobilenet_trains_like_torch_with_hardswish_and_its_gradient_on_torch():
+    """SGD: a block's output bias feeds the next block's BatchNorm, so its exact gradient is 0 and what
+    each side computes is rounding noise, which Adam would scale up to a full step."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    batches = [zoo.image_batch(4, generator=generator) for _ in range(3)]
+    trainer, reference = run_parity(zoo.MobileNetV3(), batches, optim.SGDConfig(lr=LR),
+                                    functools.partial(torch.optim.SGD, lr=LR), loss_fn=F.cross_entropy,
+                                    options=kernels("torch"))  # fmt: skip
+    session = _last_runtime(trainer).train_session
+    on_torch = [node.op_type for node in session._model.graph.node if node.name in session.on_torch]
+    hard_swishes = sum(isinstance(module, nn.Hardswish) for module in reference.modules())
+    assert on_torch.count("HardSwish") == on_torch.count(split.HARD_SWISH_GRADIENT) == hard_swishes
+    assert not any("HardSwish_Grad/" in node.name and node.name not in session.on_torch for node in session._model.graph.node)
+    _assert_evaluates_like(trainer, reference, *zoo.image_batch(3, generator=generator))
+
+
+def _hard_swish_gradient_nodes(forward_name, x, dy, dx):
+    """The nodes the gradient builder makes from defined_gradients' HardSwish definition (constants as initializers)."""
+    from orttrainer import defined_gradients
+
+    prefix = f"{forward_name}_Grad/"
+    nodes, constants = [], []
+    for index, (op_type, inputs, outputs, *attributes) in enumerate(defined_gradients.GRADIENT_DEFINITIONS["HardSwish"]):
+        if op_type == "Constant":
+            value = attributes[0]["value"]["value"]
+            constants.append(helper.make_tensor(prefix + outputs[0], TensorProto.FLOAT, [], [value]))
+            continue
+        named = [{"I(0)": x, "GO(0)": dy, "GI(0)": dx}.get(name, prefix + name) for name in inputs + outputs]
+        nodes.append(helper.make_node(op_type, named[: len(inputs)], named[len(inputs) :], name=f"{prefix}{op_type}_{index}"))
+    return nodes, constants
+
+
+@pytest.mark.parametrize("also_read", [None, "slope"], ids=["collapsed", "intermediate-read-elsewhere-kept"])
+def test_hard_swish_gradient_nodes_collapse_only_when_they_read_x_and_dy_and_hand_on_dx(also_read):
+    forward = helper.make_node("HardSwish", ["x"], ["y"], name="act")
+    gradient, constants = _hard_swish_gradient_nodes("act", "x", "dy", "dx")
+    prefix = "act_Grad/"
+    reader = [helper.make_node("Identity", [prefix + also_read], ["seen"], name="reader")] if also_read else []
+    outputs = ["y", "dx"] + (["seen"] if also_read else [])
+    graph = helper.make_graph([forward, *gradient, *reader], "g",
+                              [helper.make_tensor_value_info(name, TensorProto.FLOAT, [2]) for name in ("x", "dy")],
+                              [helper.make_empty_tensor_value_info(name) for name in outputs], constants)  # fmt: skip
+    model = helper.make_model(graph)
+    collapsed = split.collapse_hard_swish_gradients(model)
+    kinds = [node.op_type for node in model.graph.node]
+    if also_read:
+        assert collapsed == 0 and len(kinds) == 1 + len(gradient) + 1
+    else:
+        assert collapsed == 1 and kinds == ["HardSwish", split.HARD_SWISH_GRADIENT]
+        assert list(model.graph.node[1].input) == ["dy", "x"] and list(model.graph.node[1].output) == ["dx"]
 
 
 @pytest.mark.parametrize("kernel_size, dims", [(2, 2), (4, 2), ((2, 3), 2), (2, 1)])
@@ -257,6 +321,45 @@ def test_boundary_values_pass_through_the_torch_convolutions_as_in_torch(value, 
         for name, parameter in reference.named_parameters():
             torch.testing.assert_close(gradients[name], parameter.grad.float(), atol=1e-4, rtol=1e-4, equal_nan=True,
                                        msg=lambda m: f"{dtype} {name}: {m}")  # fmt: skip
+
+
+class ShiftedHardswish(nn.Module):
+    """hardswish(x + shift) -> 1x1 conv: with one image, the shift's gradient is hardswish's input gradient
+    (torch's ``hardswish_backward`` in the split) and the conv's weight gradient reads its output."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shift = nn.Parameter(torch.zeros(shape))
+        self.conv = nn.Conv2d(shape[0], 2, 1)
+
+    def forward(self, x):
+        return self.conv(F.hardswish(x + self.shift)).flatten(1)
+
+
+def test_hardswish_on_torch_at_its_kinks_and_edges_gives_torchs_values_and_gradients():
+    values = edge_values(*KINKS, *spread(1e-3, 10))
+    images = torch.from_numpy(values).reshape(1, 1, -1, 1)
+    torch.manual_seed(0)
+    model = ShiftedHardswish(images.shape[1:])
+    initial = copy.deepcopy(model.state_dict())
+    upstream = torch.from_numpy(upstream_like((1, 2 * len(values))))
+    references = {dtype: copy.deepcopy(model).to(dtype) for dtype in (torch.float32, torch.float64)}
+    for dtype, module in references.items():
+        (module(images.to(dtype)) * upstream.to(dtype)).sum().backward()
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=1.0), loss_fn=lambda output, weights: (output * weights).sum(),
+                         options=kernels("torch", debug={"check_against_torch": "off"}))  # fmt: skip
+    trainer.train_step(images, upstream)
+    session = _last_runtime(trainer).train_session
+    assert {split.HARD_SWISH_GRADIENT, "HardSwish"} <= {node.op_type for node in session._model.graph.node
+                                                        if node.name in session.on_torch}  # fmt: skip
+    state = trainer.state_dict(pytorch_format=True)
+    for name, parameter in references[torch.float32].named_parameters():  # torch's own float32 kernels: equal
+        torch.testing.assert_close(initial[name] - state[name], parameter.grad, atol=0, rtol=0, equal_nan=True,
+                                   msg=lambda m: f"{name}: {m}")  # fmt: skip
+    gradient = (initial["shift"] - state["shift"]).flatten()  # float64 torch, where finite
+    expected = references[torch.float64].shift.grad.flatten().float()
+    finite = torch.isfinite(expected)
+    torch.testing.assert_close(gradient[finite], expected[finite], atol=float(FLOOR), rtol=ULPS * 2**-23)
 
 
 def test_size_one_spatial_dims_train_like_torch():
