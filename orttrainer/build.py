@@ -453,24 +453,17 @@ def _open_sessions(graphs, device, providers, options, one_thread: bool, convolu
     on one thread, where ONNX Runtime's second thread would only contend with torch's (benchmarks/NOTES.md
     §18). LSTMs and GRUs run on torch's (torch_recurrent.py).
     """
-    debug = options.debug
-    all_threads = session.session_options(
-        options.session_options,
-        debug.deterministic_compute,
-        debug.graph_save_paths.model_with_training_graph_after_optimization_path,
-        threads=1 if one_thread else None,
-    )
-    # the user's session_options, when given, serve every session as they are
-    one_thread_only = all_threads if options.session_options is not None or one_thread else session.session_options(
-        None, debug.deterministic_compute, threads=1
-    )
+    debug, user = options.debug, options.session_options
 
-    def open_session(model, use_all_threads=True):
-        return session.TorchBoundSession(model, device, providers, all_threads if use_all_threads else one_thread_only)
+    def open_session(model, use_all_threads=True, optimized_model_path=""):
+        # the user's session_options, when given, serve every session with their threads
+        threads = 1 if one_thread or (not use_all_threads and user is None) else None
+        with session.options_for_one_session(user, debug.deterministic_compute, optimized_model_path, threads) as chosen:
+            return session.TorchBoundSession(model, device, providers, chosen)
 
     splits = _splits_for_torch(options, device)  # LSTMs and GRUs whatever the convolutions do (§21)
 
-    def open_graph(model):
+    def open_graph(model, optimized_model_path=""):
         if splits and torch_convolutions.can_split(model, convolutions):
             return torch_convolutions.SplitSession(model, open_session, convolutions)
         if convolutions:  # what the build left for torch's kernels, which will not run it
@@ -478,12 +471,10 @@ def _open_sessions(graphs, device, providers, options, one_thread: bool, convolu
             defined_gradients.spell_forwards(model)
         if device.type == "cpu":
             graph.refuse_one_direction_kernels(model)
-        return open_session(model)
+        return open_session(model, optimized_model_path=optimized_model_path)
 
-    try:
-        train = open_graph(graphs.train)
-        if debug.graph_save_paths.model_with_training_graph_after_optimization_path:
-            all_threads.optimized_model_filepath = ""  # the eval session would overwrite the training graph saved there
+    try:  # only the training graph goes to the save path: the eval session would overwrite it
+        train = open_graph(graphs.train, debug.graph_save_paths.model_with_training_graph_after_optimization_path)
         return train, open_graph(graphs.eval)
     except onnxruntime.capi.onnxruntime_pybind11_state.NotImplemented as error:
         raise graph.missing_kernel_error(error, device) from error

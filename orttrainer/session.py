@@ -9,6 +9,7 @@ stream; :class:`TorchBoundSession` orders every run after torch's work on its cu
 stream and returns only once the run is finished (see ``run``).
 """
 
+import contextlib
 import os
 
 import numpy as np
@@ -125,6 +126,9 @@ def device_providers(device: torch.device, mem_limit: int = 0, provider_options=
     return [(name, options), ("CPUExecutionProvider", {})]
 
 
+_SPINNING_ENTRIES = ("session.intra_op.allow_spinning", "session.inter_op.allow_spinning")
+
+
 def session_options(base=None, deterministic=False, optimized_model_path="", threads=None) -> onnxruntime.SessionOptions:
     """SessionOptions that share the CPU with torch instead of fighting it.
 
@@ -135,14 +139,45 @@ def session_options(base=None, deterministic=False, optimized_model_path="", thr
     options = base if base is not None else onnxruntime.SessionOptions()
     if options.intra_op_num_threads == 0:
         options.intra_op_num_threads = threads or torch.get_num_threads()
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    options.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    for entry in _SPINNING_ENTRIES:
+        options.add_session_config_entry(entry, "0")
     options.use_deterministic_compute = deterministic
     if base is None:  # errors reach the caller as exceptions: ONNX Runtime need not print them too
         options.log_severity_level = 4
     if optimized_model_path:
         options.optimized_model_filepath = optimized_model_path
     return options
+
+
+@contextlib.contextmanager
+def options_for_one_session(user=None, deterministic=False, optimized_model_path="", threads=None):
+    """The SessionOptions to create one session with: :func:`session_options` of a new object, or of
+    the user's ``user`` for as long as the session is created, then undone.
+
+    ONNX Runtime copies the options into the session it creates, and a SessionOptions cannot be
+    copied beforehand; what the user passed in is theirs. A config entry cannot be removed either:
+    spinning entries the user had not set read back as ONNX Runtime's default, "1".
+    """
+    if user is None:
+        yield session_options(None, deterministic, optimized_model_path, threads)
+        return
+    attributes = ("intra_op_num_threads", "use_deterministic_compute", "optimized_model_filepath")
+    saved = {name: getattr(user, name) for name in attributes}
+    entries = {entry: _config_entry(user, entry, default="1") for entry in _SPINNING_ENTRIES}
+    try:
+        yield session_options(user, deterministic, optimized_model_path, threads)
+    finally:
+        for name, value in saved.items():
+            setattr(user, name, value)
+        for entry, value in entries.items():
+            user.add_session_config_entry(entry, value)
+
+
+def _config_entry(options: onnxruntime.SessionOptions, key: str, default: str) -> str:
+    try:
+        return options.get_session_config_entry(key)
+    except RuntimeError:  # "does not have configuration with key"
+        return default
 
 
 def gpu_provider(providers):

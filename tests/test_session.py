@@ -107,6 +107,29 @@ def test_threads_set_by_the_user_are_kept():
     assert session_options(threads=1).intra_op_num_threads == 1
 
 
+def test_the_users_session_options_serve_every_session_and_are_left_as_they_were(tmp_path):
+    user = onnxruntime.SessionOptions()
+    user.add_session_config_entry("session.inter_op.allow_spinning", "1")
+    attributes = ("intra_op_num_threads", "use_deterministic_compute", "optimized_model_filepath", "log_severity_level")
+    before = {name: getattr(user, name) for name in attributes}
+    saved = tmp_path / "optimized.onnx"
+    debug = {"deterministic_compute": True, "graph_save_paths": {"model_with_training_graph_after_optimization_path": str(saved)}}
+    options = ORTTrainerOptions({"device": {"id": "cpu"}, "session_options": user, "debug": debug})
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    trainer = ORTTrainer(mlp, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=options)
+    batch = (torch.randn(4, 8), torch.zeros(4, dtype=torch.int64))
+    trainer.train_step(*batch)
+    trainer.eval_step(*batch)
+    for bound in (trainer._train_session, trainer._eval_session):  # what ONNX Runtime copied into each session
+        used = bound.session.get_session_options()
+        assert used.intra_op_num_threads == torch.get_num_threads() and used.use_deterministic_compute
+        assert used.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    assert saved.exists() and trainer._eval_session.session.get_session_options().optimized_model_filepath == ""
+    assert {name: getattr(user, name) for name in attributes} == before
+    assert user.get_session_config_entry("session.inter_op.allow_spinning") == "1"
+    assert user.get_session_config_entry("session.intra_op.allow_spinning") == "1"  # not set before: ONNX Runtime's default
+
+
 def test_a_non_contiguous_tensor_is_refused_not_read_as_if_it_were():
     """IO binding passes a pointer, shape and dtype: a transposed view would be read in the wrong order."""
     from onnx import TensorProto, helper
