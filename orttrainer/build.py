@@ -24,7 +24,7 @@ import onnxruntime
 import torch
 from onnx import numpy_helper
 
-from . import cpu_kernels, defined_gradients, export, graph, session, torch_convolutions, verify
+from . import cpu_kernels, defined_gradients, export, graph, rewrites, session, torch_convolutions, verify
 from .model_desc import _ORTTrainerModelDesc, forward_parameters, infer_model_desc
 
 
@@ -39,7 +39,10 @@ class Runtime:
     """
 
     def __init__(self, model_desc, onnx_model, graphs, sessions, weights: dict, trainable, scales, device):
-        self.model_desc, self.onnx_model, self.device = model_desc, onnx_model, device
+        # the forward graph, its weights as graph inputs: their data lives in ``weights`` (a second copy
+        # would hold the model's size for the whole run); inference_model puts them back
+        self.onnx_model = rewrites.copy_with_inputs_for(onnx_model, weights)
+        self.model_desc, self.device = model_desc, device
         self.train_session, self.eval_session = sessions
         self.weights, self.trainable = weights, trainable
         self.owned = trainable  # the weights this rank's optimizer updates (ZeRO-1: a part of them)
@@ -135,10 +138,13 @@ class Runtime:
     def inference_model(self, with_loss: bool = True) -> onnx.ModelProto:
         """The forward graph with the current weights (copied into its initializers) in inference
         mode: dropout off, BatchNorm on running statistics; without the loss unless ``with_loss``."""
-        for initializer in self.onnx_model.graph.initializer:
-            if initializer.name in self.weights:
-                initializer.CopyFrom(numpy_helper.from_array(self.weights[initializer.name].cpu().numpy(), initializer.name))
         model = copy.deepcopy(self.onnx_model)
+        stripped = {graph_input.name for graph_input in model.graph.input if graph_input.name in self.weights}
+        inputs = [graph_input for graph_input in model.graph.input if graph_input.name not in stripped]
+        del model.graph.input[:]
+        model.graph.input.extend(inputs)
+        model.graph.initializer.extend(numpy_helper.from_array(self.weights[name].detach().cpu().numpy(), name)
+                                       for name in self.weights if name in stripped)  # fmt: skip
         graph.set_inference_mode(model)
         if not with_loss:
             loss = self.model_desc.loss_output.name
@@ -253,10 +259,10 @@ def _torch_reference(source, exported) -> verify.Reference:
     step = verify.torch_step(source.module, source.loss_fn, source.forward_names, exported.inputs, exported.state,
                              output_names=[entry.name for entry in desc.outputs], loss_name=desc.loss_output.name,
                              trained=parameters)  # fmt: skip
-    # a copy: on the CPU the trainer's weight tensors are these very tensors, and a state_dict loaded before
-    # the first step writes into them
-    weights = {name: tensor.detach().clone() for name, tensor in exported.state.items()}
-    return verify.Reference(source.module, source.forward_names, step, weights)
+    # digests of the values: on the CPU the trainer's weight tensors are these very tensors, and a state_dict
+    # loaded before the first step writes into them
+    digests = {name: verify.weight_digest(tensor) for name, tensor in exported.state.items()}
+    return verify.Reference(source.module, source.forward_names, step, digests)
 
 
 def _in_graph(onnx_model, state: dict) -> list:

@@ -179,21 +179,6 @@ def drop_trailing_empty_inputs(graph: onnx.GraphProto) -> None:
             del node.input[-1]
 
 
-def move_weights_to_inputs(model: onnx.ModelProto, weight_names) -> None:
-    """Turn the named initializers into graph inputs so sessions read them from torch memory."""
-    wanted = set(weight_names)
-    kept = []
-    for initializer in model.graph.initializer:
-        if initializer.name in wanted:
-            model.graph.input.append(
-                helper.make_tensor_value_info(initializer.name, initializer.data_type, list(initializer.dims))
-            )
-        else:
-            kept.append(initializer)
-    del model.graph.initializer[:]
-    model.graph.initializer.extend(kept)
-
-
 def drop_zero_dropouts(model: onnx.ModelProto) -> None:
     """Turn, in place, every Dropout with a constant ratio of 0 into an Identity.
 
@@ -433,7 +418,7 @@ class TensorFacts:
 
 def infer_tensor_facts(model: onnx.ModelProto) -> TensorFacts:
     """One ONNX shape inference of ``model``, as TensorFacts."""
-    inferred = onnx.shape_inference.infer_shapes(model).graph
+    inferred = onnx.shape_inference.infer_shapes(rewrites.structure_for_inference(model)).graph
     elem_types = {
         info.name: info.type.tensor_type.elem_type
         for info in list(inferred.value_info) + list(inferred.output) + list(inferred.input)
@@ -660,10 +645,9 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     ``lookups`` ({Gather node name: export.EmbeddingLookup}) carry torch's embedding gradient rules;
     ``facts`` (``infer_tensor_facts(forward)``), when the caller has them, spare an inference.
     """
-    model = _with_ir_version(copy.deepcopy(forward))
+    model = _with_ir_version(rewrites.copy_with_inputs_for(forward, list(trainable) + list(frozen)))
     name_unnamed_nodes(model.graph)
     drop_trailing_empty_inputs(model.graph)
-    move_weights_to_inputs(model, list(trainable) + list(frozen))
     drop_zero_dropouts(model)
     eval_model = copy.deepcopy(model)
     set_inference_mode(eval_model)
@@ -768,7 +752,8 @@ def index_ranges(model: onnx.ModelProto, sample_shapes: dict) -> list:
     and fails out-of-range ones with a C++ message naming its own node; the trainer checks
     these ranges before each run instead (cheap: one comparison per index tensor).
     """
-    integer_inputs = [i.name for i in model.graph.input if i.type.tensor_type.elem_type in (onnx.TensorProto.INT64, onnx.TensorProto.INT32)]
+    integer_types = (onnx.TensorProto.INT64, onnx.TensorProto.INT32)
+    integer_inputs = [i.name for i in model.graph.input if i.name in sample_shapes and i.type.tensor_type.elem_type in integer_types]
     readers = {}
     for node in model.graph.node:
         for position, name in enumerate(node.input):
@@ -796,7 +781,7 @@ def index_ranges(model: onnx.ModelProto, sample_shapes: dict) -> list:
 
 def _shapes_at(model: onnx.ModelProto, sample_shapes: dict) -> dict:
     """Tensor name -> shape, inferred with the graph inputs fixed to ``sample_shapes``."""
-    fixed = copy.deepcopy(model)
+    fixed = rewrites.structure_for_inference(model)
     for graph_input in fixed.graph.input:
         for dim, size in zip(graph_input.type.tensor_type.shape.dim, sample_shapes.get(graph_input.name, [])):
             dim.Clear()

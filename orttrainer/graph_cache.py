@@ -26,7 +26,7 @@ import warnings
 import onnx
 import torch
 
-from . import build, export
+from . import build, export, rewrites
 
 MAX_GRAPHS = 8  # built graphs kept (each holds a training and an eval session)
 
@@ -121,17 +121,9 @@ class GraphCache:
 
 
 def _structure(model: onnx.ModelProto, state: dict) -> bytes:
-    """The graph without the module's weights and buffers (they change as training goes on): nodes,
-    constants, declared inputs and outputs."""
-    structure = onnx.GraphProto()
-    for field, value in model.graph.ListFields():
-        if field.name == "initializer":
-            structure.initializer.extend(init for init in value if init.name not in state)
-        elif isinstance(value, str):  # name, doc_string
-            setattr(structure, field.name, value)
-        else:
-            getattr(structure, field.name).extend(value)
-    return structure.SerializeToString()
+    """The graph without the values of the module's weights and buffers (they change as training goes on):
+    nodes, constants, declared inputs and outputs, the weights' types and shapes."""
+    return rewrites.copy_with_inputs_for(model, state).graph.SerializeToString()
 
 
 def _any_size(desc):

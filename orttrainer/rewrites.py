@@ -1248,9 +1248,60 @@ def _symbolic_dim(dim):
     return dim.dim_param if dim.dim_param and not dim.dim_param.startswith("unk__") else None
 
 
+# Initializers larger than this are weights to shape inference: their shape is what it reads (the
+# values it propagates are shape-sized integer tensors).
+_INFERENCE_READS_VALUES_UP_TO = 1024
+
+
+def copy_with_inputs_for(model: onnx.ModelProto, names) -> onnx.ModelProto:
+    """A copy of ``model`` in which the initializers ``names`` are graph inputs of their type and shape;
+    their data is not copied (a model's weights can be most of a process's memory)."""
+    wanted = set(names)
+    copied = _copy_without(model, "graph")
+    graph = copied.graph
+    graph.CopyFrom(_copy_without(model.graph, "initializer"))
+    declared = {graph_input.name for graph_input in graph.input}
+    for initializer in model.graph.initializer:
+        if initializer.name not in wanted:
+            graph.initializer.add().CopyFrom(initializer)
+        elif initializer.name not in declared:
+            graph.input.append(helper.make_tensor_value_info(initializer.name, initializer.data_type, list(initializer.dims)))
+    return copied
+
+
+def structure_for_inference(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` as shape inference needs it: the weights' shapes without their data (``copy_with_inputs_for``)."""
+    large = [init.name for init in model.graph.initializer if _elements(init.dims) > _INFERENCE_READS_VALUES_UP_TO]
+    return copy_with_inputs_for(model, large)
+
+
+def _elements(dims) -> int:
+    count = 1
+    for size in dims:
+        count *= size
+    return count
+
+
+def _copy_without(message, skipped: str):
+    """A copy of a protobuf ``message`` without its field ``skipped``."""
+    copied = type(message)()
+    for descriptor, value in message.ListFields():
+        if descriptor.name == skipped:
+            continue
+        # protobuf >= 5.28 says is_repeated; older ones only label (removed in 7)
+        repeated = descriptor.is_repeated if hasattr(descriptor, "is_repeated") else descriptor.label == descriptor.LABEL_REPEATED
+        if repeated:
+            getattr(copied, descriptor.name).extend(value)
+        elif descriptor.type == descriptor.TYPE_MESSAGE:
+            getattr(copied, descriptor.name).CopyFrom(value)
+        else:
+            setattr(copied, descriptor.name, value)
+    return copied
+
+
 def symbolic_shapes(model: onnx.ModelProto) -> dict:
     """Tensor name -> shape from ONNX shape inference: sizes, dim_param names, None where unknown."""
-    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True).graph  # sizes computed from Shape ops too
+    inferred = onnx.shape_inference.infer_shapes(structure_for_inference(model), data_prop=True).graph  # sizes from Shape ops too
     shapes = {}
     for info in list(inferred.value_info) + list(inferred.input) + list(inferred.output):
         tensor_type = info.type.tensor_type

@@ -1,5 +1,8 @@
 """Real models used across the tests: MLP, CNN with BatchNorm, transformer encoder, and variants."""
 
+import warnings
+
+import onnx
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -96,16 +99,33 @@ def two_head_loss(outputs, target):
     return F.mse_loss(value, target[:, 0]) + F.cross_entropy(logits, target[:, 1].long())
 
 
-class MLPWithLoss(nn.Module):
-    """Computes its own loss: forward(x, label) -> (loss, logits)."""
+class WithLoss(nn.Module):
+    """Computes its own loss: forward(x, label) -> (cross entropy of ``model(x)``, ``model(x)``)."""
 
-    def __init__(self):
+    def __init__(self, model):
         super().__init__()
-        self.mlp = MLP()
+        self.model = model
 
     def forward(self, x, label):
-        logits = self.mlp(x)
+        logits = self.model(x)
         return F.cross_entropy(logits, label), logits
+
+
+def MLPWithLoss():
+    return WithLoss(MLP())
+
+
+def training_onnx(model_with_loss: nn.Module, batch, path):
+    """``model_with_loss`` exported as a forward+loss ONNX model (inputs x, label; outputs loss, logits)
+    in training mode, as a user would write it, with a dynamic batch size; loaded from ``path``."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "You are using the legacy TorchScript-based ONNX export", DeprecationWarning)
+        torch.onnx.export(
+            model_with_loss, tuple(batch), str(path), dynamo=False, training=torch.onnx.TrainingMode.TRAINING,
+            do_constant_folding=False, input_names=["x", "label"], output_names=["loss", "logits"],
+            dynamic_axes={"x": {0: "batch"}, "label": {0: "batch"}, "logits": {0: "batch"}}, opset_version=17,
+        )
+    return onnx.load(str(path))
 
 
 def mlp_batch(batch=8, generator=None):

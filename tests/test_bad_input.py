@@ -285,10 +285,10 @@ def test_extra_postprocess_is_called_on_the_exported_graph_and_its_result_checke
         trainer.train_step(*mlp_batch())
 
 
-def test_what_the_user_passed_in_is_never_changed():
+def test_what_the_user_passed_in_is_never_changed(tmp_path):
     import copy
 
-    from models import CNN
+    from models import CNN, WithLoss, training_onnx
 
     settings = {"device": {"id": "cpu"}, "mixed_precision": {"enabled": True}, "utils": {"frozen_weights": []}}
     options = ORTTrainerOptions(copy.deepcopy(settings))
@@ -297,7 +297,7 @@ def test_what_the_user_passed_in_is_never_changed():
     trainer.train_step(*cnn_batch())
     assert options.mixed_precision.loss_scaler is None and options.utils.frozen_weights == []
     assert trainer.options.mixed_precision.loss_scaler is not None
-    proto = copy.deepcopy(trainer._onnx_model)
+    proto = training_onnx(WithLoss(CNN()), cnn_batch(), tmp_path / "cnn.onnx")
     original = proto.SerializeToString()
     onnx_trainer = ORTTrainer(proto, None, optim.SGDConfig(lr=0.1), options=cpu_options())
     onnx_trainer.train_step(*cnn_batch())

@@ -1,7 +1,6 @@
 """orttrainer with SGD equals a plain torch SGD loop, step by step, on real models."""
 
 import copy
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +14,7 @@ from models import (
     lm_loss,
     mlp_batch,
     token_batch,
+    training_onnx,
     two_head_batch,
     two_head_loss,
 )
@@ -135,20 +135,8 @@ def test_onnx_model_input(tmp_path):
     model = MLPWithLoss()
     reference = MLPWithLoss()
     reference.load_state_dict(model.state_dict())
-    x, label = mlp_batch()
-    path = tmp_path / "mlp.onnx"
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "You are using the legacy TorchScript-based ONNX export", DeprecationWarning)
-        torch.onnx.export(
-            model, (x, label), str(path), dynamo=False, training=torch.onnx.TrainingMode.TRAINING,
-            do_constant_folding=False, input_names=["x", "label"], output_names=["loss", "logits"],
-            dynamic_axes={"x": {0: "batch"}, "label": {0: "batch"}, "logits": {0: "batch"}}, opset_version=17,
-        )
-    import onnx
-
-    from orttrainer import ORTTrainer
-
-    trainer = ORTTrainer(onnx.load(str(path)), None, optim.SGDConfig(lr=0.1), options=cpu_options())
+    trainer = ORTTrainer(training_onnx(model, mlp_batch(), tmp_path / "mlp.onnx"), None, optim.SGDConfig(lr=0.1),
+                         options=cpu_options())  # fmt: skip
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     for batch in batches(mlp_batch):
         loss, logits = trainer.train_step(*batch)
