@@ -189,16 +189,25 @@ class TorchSource:
         self.forward_names = _forward_names(self.module, input_names, loss_fn)
         self.loss_fn, self.options, self.model_desc = loss_fn, options, model_desc
 
-    def export(self, input_names, inputs) -> TorchExport:
-        """Export at this batch; ``model_desc`` None: inferred from it (dim 0 dynamic)."""
+    def export(self, input_names, inputs, compared_only=False) -> TorchExport:
+        """Export at this batch; ``model_desc`` None: inferred from it (dim 0 dynamic).
+
+        ``compared_only``: the graph is only compared with the one built at the same shapes from other
+        values (graph_cache's values check); the custom-backward check that build ran (a forward with
+        autograd: the activations' memory, during training) is not repeated, the weights not copied.
+        A branch on the values themselves is refused by every export (``export._ValuesTurnedPython``).
+        """
         module, loss_fn = self.module, self.loss_fn
         cpu_inputs = [tensor.cpu() for tensor in inputs]
         outputs, form = export.sample_outputs(module, loss_fn, self.forward_names, cpu_inputs)
         outputs = list(outputs)
         desc = self.model_desc or infer_model_desc(input_names, cpu_inputs, outputs, form)
-        loss_index = _loss_index(desc, outputs, loss_fn, inferred=self.model_desc is None)
-        export.refuse_custom_backward(module, loss_fn, self.forward_names, cpu_inputs, loss_index)
-        state = {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
+        if compared_only:
+            state = dict(module.state_dict())
+        else:
+            loss_index = _loss_index(desc, outputs, loss_fn, inferred=self.model_desc is None)
+            export.refuse_custom_backward(module, loss_fn, self.forward_names, cpu_inputs, loss_index)
+            state = {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
         onnx_model, lookups, frozen_values = export.export_to_onnx(
             module, cpu_inputs, loss_fn, self.forward_names, [(entry.name, entry.shape) for entry in desc.inputs],
             [(entry.name, entry.shape) for entry in desc.outputs], self.options._internal_use.onnx_opset_version,
