@@ -594,7 +594,8 @@ def _macs_per_sample(node: onnx.NodeProto, shapes: dict):
 
 
 def _work_per_sample(model: onnx.ModelProto, facts: TensorFacts = None) -> list:
-    """(node, multiply-accumulates per sample) of each Conv, Gemm and MatMul of known shapes.
+    """(node, multiply-accumulates per sample) of each Conv, Gemm and MatMul of known shapes; [] for a
+    graph without convolutions (the questions asked of it are about convolutions).
 
     The forward graph answers for the training and eval graphs built from it: they hold the
     same Conv, Gemm and MatMul nodes on tensors of the same shapes.
