@@ -130,7 +130,7 @@ _SPINNING_ENTRIES = ("session.intra_op.allow_spinning", "session.inter_op.allow_
 
 
 def session_options(base=None, deterministic=False, optimized_model_path="", threads=None) -> onnxruntime.SessionOptions:
-    """SessionOptions that share the CPU with torch instead of fighting it.
+    """SessionOptions that share the CPU with torch instead of fighting it (set on ``base`` if given).
 
     ONNX Runtime's intra-op threads spin by default and then stall torch's own threads
     in the optimizer step (docs/stack_facts.md), so spinning is turned off. Intra-op threads are
@@ -139,8 +139,9 @@ def session_options(base=None, deterministic=False, optimized_model_path="", thr
     options = base if base is not None else onnxruntime.SessionOptions()
     if options.intra_op_num_threads == 0:
         options.intra_op_num_threads = threads or torch.get_num_threads()
-    for entry in _SPINNING_ENTRIES:
-        options.add_session_config_entry(entry, "0")
+    for entry in _SPINNING_ENTRIES:  # a choice the user made is theirs
+        if base is None or _config_entry(options, entry) is None:
+            options.add_session_config_entry(entry, "0")
     options.use_deterministic_compute = deterministic
     if base is None:  # errors reach the caller as exceptions: ONNX Runtime need not print them too
         options.log_severity_level = 4
@@ -155,29 +156,28 @@ def options_for_one_session(user=None, deterministic=False, optimized_model_path
     the user's ``user`` for as long as the session is created, then undone.
 
     ONNX Runtime copies the options into the session it creates, and a SessionOptions cannot be
-    copied beforehand; what the user passed in is theirs. A config entry cannot be removed either:
-    spinning entries the user had not set read back as ONNX Runtime's default, "1".
+    copied beforehand; what the user passed in is theirs. Config entries are the exception: one
+    cannot be removed, and overwriting one makes ONNX Runtime log a warning (for every session), so
+    the spinning entries are added once where the user has not set them, and kept.
     """
     if user is None:
         yield session_options(None, deterministic, optimized_model_path, threads)
         return
     attributes = ("intra_op_num_threads", "use_deterministic_compute", "optimized_model_filepath")
     saved = {name: getattr(user, name) for name in attributes}
-    entries = {entry: _config_entry(user, entry, default="1") for entry in _SPINNING_ENTRIES}
     try:
         yield session_options(user, deterministic, optimized_model_path, threads)
     finally:
         for name, value in saved.items():
             setattr(user, name, value)
-        for entry, value in entries.items():
-            user.add_session_config_entry(entry, value)
 
 
-def _config_entry(options: onnxruntime.SessionOptions, key: str, default: str) -> str:
+def _config_entry(options: onnxruntime.SessionOptions, key: str):
+    """The value of config entry ``key``, or None if it is not set."""
     try:
         return options.get_session_config_entry(key)
     except RuntimeError:  # "does not have configuration with key"
-        return default
+        return None
 
 
 def gpu_provider(providers):

@@ -124,10 +124,12 @@ def test_the_users_session_options_serve_every_session_and_are_left_as_they_were
         used = bound.session.get_session_options()
         assert used.intra_op_num_threads == torch.get_num_threads() and used.use_deterministic_compute
         assert used.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+        assert used.get_session_config_entry("session.inter_op.allow_spinning") == "1"  # the user's choice
     assert saved.exists() and trainer._eval_session.session.get_session_options().optimized_model_filepath == ""
     assert {name: getattr(user, name) for name in attributes} == before
     assert user.get_session_config_entry("session.inter_op.allow_spinning") == "1"
-    assert user.get_session_config_entry("session.intra_op.allow_spinning") == "1"  # not set before: ONNX Runtime's default
+    # not set by the user: added (an entry cannot be removed, and overwriting one logs a warning per session)
+    assert user.get_session_config_entry("session.intra_op.allow_spinning") == "0"
 
 
 def test_a_non_contiguous_tensor_is_refused_not_read_as_if_it_were():
