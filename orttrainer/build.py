@@ -198,7 +198,7 @@ class TorchSource:
         A branch on the values themselves is refused by every export (``export._ValuesTurnedPython``).
         """
         module, loss_fn = self.module, self.loss_fn
-        cpu_inputs = [tensor.cpu() for tensor in inputs]
+        cpu_inputs = [tensor.detach().to("cpu", copy=True) for tensor in inputs]  # forward may change what it is given
         outputs, form = export.sample_outputs(module, loss_fn, self.forward_names, cpu_inputs)
         outputs = list(outputs)
         desc = self.model_desc or infer_model_desc(input_names, cpu_inputs, outputs, form)

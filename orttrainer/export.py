@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import onnx
 import torch
+from torch.nn.utils.parametrizations import _SpectralNorm
+from torch.nn.utils.spectral_norm import SpectralNorm as _SpectralNormHook
 from torch.onnx import TrainingMode
 from torch.overrides import TorchFunctionMode
 
@@ -142,8 +144,22 @@ def refuse_untrainable_modules(model: torch.nn.Module) -> None:
                 f"module '{path}' (Embedding) has max_norm={layer.max_norm}: torch renormalises rows in place during forward, "
                 "which an ONNX graph cannot do; remove max_norm (or renormalise the weight yourself between steps)"
             )
+        if _spectral_norm_updates(layer):
+            owner = path.rsplit("parametrizations.", 1)[0].rstrip(".") if isinstance(layer, _SpectralNorm) else path
+            problems.append(
+                f"module '{owner}' ({type(model.get_submodule(owner)).__name__}) has spectral_norm: in training mode torch's "
+                "power iteration updates its u and v vectors in place at every forward, which an ONNX graph cannot do; "
+                "remove spectral_norm or train this model with torch"
+            )
     if problems:
         raise ExportError("cannot train this model the way torch would:\n- " + "\n- ".join(problems))
+
+
+def _spectral_norm_updates(layer: torch.nn.Module) -> bool:
+    """Whether forward runs spectral_norm's power iteration on ``layer`` (the parametrization, or the older hook)."""
+    if isinstance(layer, _SpectralNorm):
+        return layer.training and layer.n_power_iterations > 0
+    return layer.training and any(isinstance(hook, _SpectralNormHook) for hook in layer._forward_pre_hooks.values())
 
 
 class _HookAndFunctionSpy(TorchFunctionMode):
@@ -253,10 +269,12 @@ _HARMLESS = [
     (UserWarning, r"Removing mutation from node aten::add_ on block input: '[^']*num_batches_tracked'"),
 ]
 
+# The exporter turned an in-place op on a graph input into a copy: a buffer (the module's state) or a
+# tensor of the batch (the name of forward's argument, or a tensor made from it, e.g. by zeros_like).
+_MUTATION = r"Removing mutation from node (\S+) on block input: '([^']*?)(\.\d+)?'"
+
 # Exporter warnings that mean the graph may differ from the module: (pattern, why and what to do).
 _DIFFERENT = [
-    (r"Removing mutation from node (\S+) on block input: '([^']*)'",
-     "forward changes this buffer in place, and the graph cannot: torch would update it every step, orttrainer never"),
     (r"ONNX export of embedding with padding_idx",
      "the padding row would be trained; use nn.Embedding/F.embedding, whose padding_idx orttrainer handles"),
     (r"(?i)dropout",
@@ -317,6 +335,22 @@ def _is_harmless(heard: _Heard) -> bool:
     if heard.category.__name__ == "TracerWarning" and _is_argument_check(heard.filename, heard.lineno):
         return True
     return any(issubclass(heard.category, category) and re.search(pattern, heard.message) for category, pattern in _HARMLESS)
+
+
+def _mutation_problem(heard: _Heard, state_names, changed_inputs):
+    """Why an in-place op the exporter turned into a copy makes the graph differ, or None (not such a
+    warning, or harmless: it changed a tensor made from the batch, not the batch or the module's state)."""
+    found = re.search(_MUTATION, heard.message)
+    if found is None:
+        return None
+    op, target = found.group(1), found.group(2)
+    if target in state_names:
+        return (f"forward changes the buffer '{target[len(_WRAPPED):]}' in place ({op}), and the graph cannot: torch would "
+                "update it every step, orttrainer never")
+    if changed_inputs:
+        return (f"forward changes its input {', '.join(repr(name) for name in changed_inputs)} in place ({op}): "
+                "torch's caller sees the change, the graph cannot make it; work on a copy (x = x * 2, not x.mul_(2))")
+    return None
 
 
 def _reason_graph_differs(heard: _Heard):
@@ -387,11 +421,12 @@ class _ExporterWarnings:
     one, with the reason) are dropped; all others reach the user unchanged.
     """
 
-    def __init__(self, values: _ValuesTurnedPython):
-        self.values = values
+    def __init__(self, values: _ValuesTurnedPython, inputs: dict, state_names):
+        self.values, self.inputs, self.state_names = values, inputs, set(state_names)
 
     def __enter__(self):
         self.heard = []
+        self._versions = {name: tensor._version for name, tensor in self.inputs.items()}
         self._catcher = warnings.catch_warnings()
         self._catcher.__enter__()
         warnings.simplefilter("always")  # every occurrence, not once per location: each may name another line
@@ -408,8 +443,14 @@ class _ExporterWarnings:
         if exc_info[0] is not None:
             return False
         problems, self.frozen_values = [], []
+        changed = [name for name, tensor in self.inputs.items() if tensor._version != self._versions[name]]
         for heard in self.heard:
             if _is_harmless(heard):
+                continue
+            if re.search(_MUTATION, heard.message):
+                reason = _mutation_problem(heard, self.state_names, changed)
+                if reason is not None and f"{heard.describe()}: {reason}" not in problems:
+                    problems.append(f"{heard.describe()}: {reason}")
                 continue
             if re.search(_FROZEN_VALUE, heard.message) and heard.where in self.values.from_values:
                 problem = f"{heard.describe()}: {_FROM_VALUES}"
@@ -488,7 +529,10 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
     devices = [inputs[0].device.index or 0] if inputs and inputs[0].is_cuda else []
     try:
         values = _ValuesTurnedPython()
-        with torch.random.fork_rng(devices=devices), symbolics.exporting(), _ExporterWarnings(values) as heard, values:
+        inputs_by_name = {name: tensor for (name, _), tensor in zip(desc_inputs, inputs)}
+        state_names = [_WRAPPED + name for name in model.state_dict()]
+        with torch.random.fork_rng(devices=devices), symbolics.exporting(), \
+                _ExporterWarnings(values, inputs_by_name, state_names) as heard, values:
             torch.onnx.export(
                 wrapper,
                 tuple(inputs),
@@ -504,7 +548,8 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
     except ExportError:
         raise
     except Exception as error:
-        raise ExportError(f"torch.onnx.export of {type(model).__name__} failed: {error}") from error
+        first_line = str(error).strip().split("\n", 1)[0]  # the rest is a dump of the traced graph: in the cause below
+        raise ExportError(f"torch.onnx.export of {type(model).__name__} failed: {first_line}") from error
     if len(wrapper.form.names) != len(desc_outputs):  # output names are given by position
         raise ExportError(
             f"{type(model).__name__} returns {wrapper.form.names} in training mode but "

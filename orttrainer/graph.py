@@ -453,7 +453,8 @@ def _nodes_between(model: onnx.ModelProto, sources, target: str, facts: TensorFa
     on_path = []
     for node in reversed(forward):
         if any(name in upstream for name in node.output):
-            upstream.update(name for name in _node_inputs(node) if name)
+            # not through integer inputs: the indices of a gather carry no gradient back to what chose them (argmax)
+            upstream.update(name for name in _node_inputs(node) if name and elem_types.get(name, 0) in _MAYBE_FLOAT)
             on_path.append(node)
     return list(reversed(on_path))
 

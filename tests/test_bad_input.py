@@ -134,6 +134,7 @@ def test_export_failure_is_wrapped_and_chained():
     with pytest.raises(ExportError, match=r"torch.onnx.export of Unexportable failed: .*aten::histc") as caught:
         trainer.train_step(torch.randn(3, 4), torch.randn(3, 2))
     assert caught.value.__cause__ is not None
+    assert "\n" not in str(caught.value)  # one line: the exporter's dump of the traced graph stays in the cause
     assert trainer._training_session is None
 
 

@@ -2,6 +2,7 @@
 clear error before training: never silently different. Each case goes through the public API."""
 
 import copy
+import functools
 import math
 import warnings
 
@@ -77,6 +78,19 @@ def test_embedding_max_norm_is_refused():
     trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=tagger_loss, options=cpu_options())
     with pytest.raises(ExportError, match=r"module 'tokens' \(Embedding\) has max_norm=1.0"):
         trainer.train_step(*token_batches(1)[0])
+
+
+@pytest.mark.parametrize("style", ["parametrization", "hook"])
+def test_spectral_norm_is_refused_naming_the_module(style):
+    """Its power iteration updates u and v in place at every training forward; the exporter failed on it
+    with a graph dump (the parametrization) or would have frozen them (the older hook)."""
+    from torch.nn.utils import parametrizations, spectral_norm
+
+    normalize = parametrizations.spectral_norm if style == "parametrization" else spectral_norm
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), normalize(nn.Linear(8, 4)))
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.mse_loss, options=cpu_options())
+    with pytest.raises(ExportError, match=r"module '2' \((Parametrized)?Linear\) has spectral_norm: .* updates its u and v"):
+        trainer.train_step(torch.randn(3, 4), torch.randn(3, 4))
 
 
 # ------------------------------------------------------------------ tied weights, unused and absent parameters
@@ -201,16 +215,57 @@ class MutatesBuffer(nn.Module):
         return self.fc(x)
 
 
+class MutatesItsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        x.mul_(2.0)
+        return self.fc(x)
+
+
 @pytest.mark.parametrize(
     "module, message",
-    [(MutatesBuffer, r"forward changes this buffer in place")],
-    ids=["buffer-mutated-in-forward"],
+    [(MutatesBuffer, r"forward changes the buffer 'calls' in place \(aten::add_\)"),
+     (MutatesItsInput, r"forward changes its input 'x' in place \(aten::mul_\): torch's caller sees the change")],
+    ids=["buffer-mutated-in-forward", "input-mutated-in-forward"],
 )  # fmt: skip
 def test_trace_that_would_differ_from_the_module_is_refused_naming_the_line(module, message):
     trainer = ORTTrainer(module(), None, optim.SGDConfig(lr=0.1), loss_fn=F.mse_loss, options=cpu_options())
+    batch = (torch.randn(3, 4), torch.randn(3, 4))
+    given = [tensor.clone() for tensor in batch]
     with pytest.raises(ExportError, match=message):
-        trainer.train_step(torch.randn(3, 4), torch.randn(3, 4))
+        trainer.train_step(*batch)
     assert trainer._training_session is None
+    for tensor, before in zip(batch, given):
+        torch.testing.assert_close(tensor, before, rtol=0, atol=0)  # the export ran forward on copies
+
+
+class PaddedAttention(nn.Module):
+    """nn.MultiheadAttention with a bool key_padding_mask, which torch turns into a float mask by an
+    in-place fill of a tensor made from it: the exporter reports a mutation of the input 'mask'."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.attention, self.head = nn.Linear(8, 16), nn.MultiheadAttention(16, 2, batch_first=True), nn.Linear(16, 3)
+
+    def forward(self, x, mask):
+        h = self.embed(x)
+        attended, _ = self.attention(h, h, h, key_padding_mask=mask)
+        return self.head(attended.mean(1))
+
+
+def test_attention_with_a_bool_padding_mask_trains_like_torch():
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(3):
+        mask = torch.rand(4, 5, generator=generator) < 0.3
+        mask[:, 0] = False  # every sequence keeps a position
+        batches.append((torch.randn(4, 5, 8, generator=generator), mask, torch.randint(0, 3, (4,), generator=generator)))
+    run_parity(PaddedAttention(), batches, optim.SGDConfig(lr=0.1), functools.partial(torch.optim.SGD, lr=0.1),
+               loss_fn=F.cross_entropy)  # fmt: skip
 
 
 class WidthAsPythonNumber(nn.Module):
@@ -434,3 +489,28 @@ def test_negative_indices_count_from_the_end_like_torch():
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*negative values")  # handled, so not passed on
         run_parity(PickPositions(), data, optim.SGDConfig(lr=0.1), sgd, loss_fn=F.cross_entropy)
+
+
+class ChosenByArgmax(nn.Module):
+    """Scores pick, by argmax, which value each position keeps: the scoring layer reaches the loss only
+    through the chosen indices, so torch gives it no gradient and leaves it as it is."""
+
+    def __init__(self):
+        super().__init__()
+        self.score, self.value, self.head = nn.Linear(8, 6), nn.Linear(8, 6), nn.Linear(1, 4)
+
+    def forward(self, x):
+        chosen = self.score(x).argmax(dim=-1, keepdim=True)
+        return self.head(torch.gather(self.value(x), -1, chosen))
+
+
+def test_weights_reaching_the_loss_only_through_indices_stay_as_in_torch():
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 5, 8, generator=generator), torch.randn(4, 5, 4, generator=generator)) for _ in range(3)]
+    model = ChosenByArgmax()
+    score = copy.deepcopy(model.score.state_dict())
+    trainer, _ = run_parity(model, batches, optim.SGDConfig(lr=0.1), functools.partial(torch.optim.SGD, lr=0.1),
+                            loss_fn=F.mse_loss)  # fmt: skip
+    state = trainer.state_dict(pytorch_format=True)
+    assert all(torch.equal(state[f"score.{name}"], tensor) for name, tensor in score.items())
