@@ -10,7 +10,7 @@ import contextlib
 
 import numpy as np
 import torch
-from torch.onnx import symbolic_helper
+from torch.onnx import errors, symbolic_helper
 from torch.onnx._internal.torchscript_exporter import registration, symbolic_opset11
 from torch.onnx._internal.torchscript_exporter import utils as exporter_utils
 
@@ -220,6 +220,43 @@ def bilinear(g, x1, x2, weight, bias):
     return result if symbolic_helper._is_none(bias) else g.op("Add", result, bias)
 
 
+@symbolic_helper.parse_args("v", "v", "v", "i", "i", "f")
+def cross_entropy_loss(g, scores, target, weight, reduction, ignore_index, label_smoothing):
+    """torch's cross_entropy of class indices: SoftmaxCrossEntropyLoss, as torch's exporter writes it;
+    with ``label_smoothing`` e, torch's formula (cross_entropy_loss_label_smoothing in ATen):
+    (1 - e) * nll + e / classes * smooth, smooth = -sum over classes of log_softmax (times the class
+    weights), 0 at ignored targets, reduced as torch reduces it (a weighted mean divides by the
+    weights of the targets kept)."""
+    reduction_name = ("none", "mean", "sum")[reduction]
+    weighted = not symbolic_helper._is_none(weight)
+    nll = g.op("SoftmaxCrossEntropyLoss", scores, target, *([weight] if weighted else []), reduction_s=reduction_name,
+               ignore_index_i=ignore_index)  # fmt: skip
+    if not label_smoothing:
+        return nll
+    sizes, rank = symbolic_helper._get_tensor_sizes(scores), symbolic_helper._get_tensor_rank(scores)
+    if target.type().scalarType() not in ("Long", "Int") or not sizes or sizes[1] is None:
+        raise errors.SymbolicValueError(
+            "orttrainer exports cross_entropy with label_smoothing for class indices as the target and a fixed number "
+            "of classes (dim 1 of the scores)", scores)  # fmt: skip
+    build = _ExportGraph(g)
+    log_probabilities = g.op("LogSoftmax", scores, axis_i=1)
+    if weighted:  # the class weights along dim 1
+        log_probabilities = g.op("Mul", log_probabilities, symbolic_helper._unsqueeze_helper(g, weight, list(range(1, rank - 1))))
+    smooth = g.op("Neg", symbolic_helper._reducesum_helper(g, log_probabilities, axes_i=[1], keepdims_i=0))
+    ignored = g.op("Equal", target, g.op("Constant", value_t=torch.tensor(ignore_index, dtype=torch.int64)))
+    smooth = rewrites.where(build, ignored, 0.0, smooth)
+    if reduction_name != "none":
+        smooth = symbolic_helper._reducesum_helper(g, smooth, keepdims_i=0)
+    if reduction_name == "mean":
+        kept = rewrites.where(build, ignored, 0.0, 1.0)
+        if weighted:  # the weight of each kept target
+            kept = g.op("Mul", kept, g.op("Gather", weight, rewrites.where(build, ignored, build.const(0, np.int64), target)))
+        smooth = g.op("Div", smooth, symbolic_helper._reducesum_helper(g, kept, keepdims_i=0))
+    # torch's scalars, computed in double and applied in float32
+    return g.op("Add", g.op("Mul", nll, _constant(g, 1.0 - label_smoothing)),
+                g.op("Mul", smooth, _constant(g, label_smoothing / sizes[1])))  # fmt: skip
+
+
 def _extreme(onnx_op, torch_symbolic):
     """aten::max / aten::min: with a dim, rewrites.first_extreme (values at the first extreme,
     the first NaN if any, which alone gets the gradient, as in torch); other overloads (whole
@@ -306,6 +343,7 @@ _SYMBOLICS = {
     "poisson_nll_loss": poisson_nll_loss,
     "hinge_embedding_loss": hinge_embedding_loss,
     "bilinear": bilinear,
+    "cross_entropy_loss": cross_entropy_loss,
 }
 
 

@@ -533,3 +533,26 @@ def test_max_pool_gradient(kernel, stride, pads, relu_first):
     model = single_op_model("MaxPool", ["x"], {"x": x}, upstream, attributes, before=["Relu"] if relu_first else [])
     train = check_against_torch(model, function, {"x": x}, ["x"], upstream)
     assert "MaxPoolGrad" not in op_types(train)
+
+
+@pytest.mark.parametrize("reduction, weighted", [("none", False), ("mean", True), ("sum", True)])
+def test_cross_entropy_with_label_smoothing_at_edge_values(reduction, weighted):
+    """symbolics.cross_entropy_loss: torch's label smoothing formula, a row per edge value (and a
+    kink's neighbour) among ordinary scores, one target ignored in the weighted cases."""
+    rows = np.array([[value, 0.5, -1.0, 2.0, 0.0] for value in edge_values(*KINKS)], np.float32)
+    targets = np.arange(len(rows)) % 5
+    ignore_index = -100
+    if weighted:
+        targets[1] = ignore_index
+    values = {"x": rows, "t": targets.astype(np.int64), "w": np.array([0.5, 1.0, 2.0, 1.5, 0.7], np.float32)}
+
+    def function(x, t, w):
+        return F.cross_entropy(x, t, weight=w if weighted else None, ignore_index=ignore_index, reduction=reduction,
+                               label_smoothing=0.1)  # fmt: skip
+
+    upstream = upstream_like((len(rows),)) if reduction == "none" else 1.0
+    model = exported_model(function, values, upstream, ["x"])
+    assert "LogSoftmax" in op_types(model)
+    # a gradient is a difference of terms up to the largest weight: float32 rounding of those terms (torch's
+    # own float32 result is 56 float32 spacings from float64's at x = -3.0000002), not of the result
+    check_against_torch(model, function, values, ["x"], upstream, floor=1e-7)

@@ -172,12 +172,17 @@ LOSSES = {
     "poisson_nll_loss": (F.poisson_nll_loss, "count"),
     "poisson_nll_loss (log_input False)": (lambda out, y: F.poisson_nll_loss(F.softplus(out) + 0.1, y, log_input=False), "count"),
     "hinge_embedding_loss": (lambda out, y: F.hinge_embedding_loss(out, y, margin=0.5), "sign"),
+    "cross_entropy (label_smoothing)": (lambda out, y: F.cross_entropy(out, y, label_smoothing=0.1), "class"),
+    "cross_entropy (label_smoothing, weight, ignore_index, sum)": (
+        lambda out, y: F.cross_entropy(out, y, weight=torch.linspace(0.5, 2, 8), ignore_index=3, reduction="sum",
+                                       label_smoothing=0.2), "class"),  # fmt: skip
 }
 TARGETS = {
     None: lambda shape, g: torch.randn(shape, generator=g),
     "probability": lambda shape, g: torch.rand(shape, generator=g),
     "sign": lambda shape, g: torch.randint(0, 2, shape, generator=g).float() * 2 - 1,
     "count": lambda shape, g: torch.randint(0, 5, shape, generator=g).float(),
+    "class": lambda shape, g: torch.arange(shape[0]) % shape[1],  # every class once, 3 (ignored in one case) too
 }
 
 
