@@ -10,7 +10,7 @@ import contextlib
 
 import numpy as np
 import torch
-from torch.onnx import errors, symbolic_helper
+from torch.onnx import symbolic_helper
 from torch.onnx._internal.torchscript_exporter import registration, symbolic_opset11
 from torch.onnx._internal.torchscript_exporter import utils as exporter_utils
 
@@ -222,26 +222,30 @@ def bilinear(g, x1, x2, weight, bias):
 
 @symbolic_helper.parse_args("v", "v", "v", "i", "i", "f")
 def cross_entropy_loss(g, scores, target, weight, reduction, ignore_index, label_smoothing):
-    """torch's cross_entropy of class indices: SoftmaxCrossEntropyLoss, as torch's exporter writes it;
+    """torch's cross_entropy. Class indices: SoftmaxCrossEntropyLoss, as torch's exporter writes it;
     with ``label_smoothing`` e, torch's formula (cross_entropy_loss_label_smoothing in ATen):
     (1 - e) * nll + e / classes * smooth, smooth = -sum over classes of log_softmax (times the class
     weights), 0 at ignored targets, reduced as torch reduces it (a weighted mean divides by the
-    weights of the targets kept)."""
+    weights of the targets kept). Class probabilities (which the exporter passed to
+    SoftmaxCrossEntropyLoss as labels): ``_cross_entropy_of_probabilities``."""
     reduction_name = ("none", "mean", "sum")[reduction]
     weighted = not symbolic_helper._is_none(weight)
+    sizes, rank = symbolic_helper._get_tensor_sizes(scores), symbolic_helper._get_tensor_rank(scores)
+    probabilities = target.type().scalarType() in ("Float", "Double", "Half", "BFloat16")
+    if (probabilities or label_smoothing) and (not sizes or len(sizes) < 2 or sizes[1] is None):
+        raise ValueError(f"cross_entropy with {'class probabilities' if probabilities else 'label_smoothing'}: orttrainer "
+                         "exports it for scores of a fixed number of classes in dim 1 (a batch), which these are not")  # fmt: skip
+    class_weights = symbolic_helper._unsqueeze_helper(g, weight, list(range(1, rank - 1))) if weighted else None  # along dim 1
+    if probabilities:
+        return _cross_entropy_of_probabilities(g, scores, target, class_weights, reduction_name, label_smoothing, sizes[1])
     nll = g.op("SoftmaxCrossEntropyLoss", scores, target, *([weight] if weighted else []), reduction_s=reduction_name,
                ignore_index_i=ignore_index)  # fmt: skip
     if not label_smoothing:
         return nll
-    sizes, rank = symbolic_helper._get_tensor_sizes(scores), symbolic_helper._get_tensor_rank(scores)
-    if target.type().scalarType() not in ("Long", "Int") or not sizes or sizes[1] is None:
-        raise errors.SymbolicValueError(
-            "orttrainer exports cross_entropy with label_smoothing for class indices as the target and a fixed number "
-            "of classes (dim 1 of the scores)", scores)  # fmt: skip
     build = _ExportGraph(g)
     log_probabilities = g.op("LogSoftmax", scores, axis_i=1)
-    if weighted:  # the class weights along dim 1
-        log_probabilities = g.op("Mul", log_probabilities, symbolic_helper._unsqueeze_helper(g, weight, list(range(1, rank - 1))))
+    if weighted:
+        log_probabilities = g.op("Mul", log_probabilities, class_weights)
     smooth = g.op("Neg", symbolic_helper._reducesum_helper(g, log_probabilities, axes_i=[1], keepdims_i=0))
     ignored = g.op("Equal", target, g.op("Constant", value_t=torch.tensor(ignore_index, dtype=torch.int64)))
     smooth = rewrites.where(build, ignored, 0.0, smooth)
@@ -255,6 +259,24 @@ def cross_entropy_loss(g, scores, target, weight, reduction, ignore_index, label
     # torch's scalars, computed in double and applied in float32
     return g.op("Add", g.op("Mul", nll, _constant(g, 1.0 - label_smoothing)),
                 g.op("Mul", smooth, _constant(g, label_smoothing / sizes[1])))  # fmt: skip
+
+
+def _cross_entropy_of_probabilities(g, scores, target, class_weights, reduction_name, label_smoothing, classes):
+    """torch's cross_entropy_loss_prob_target: -sum over classes of log_softmax * target (* weights), the
+    target first smoothed to target * (1 - e) + e / classes; a mean divides by the number of samples
+    (elements over classes), whatever the weights."""
+    if label_smoothing:
+        target = g.op("Add", g.op("Mul", target, _constant(g, 1.0 - label_smoothing)), _constant(g, label_smoothing / classes))
+    products = g.op("Mul", g.op("LogSoftmax", scores, axis_i=1), target)
+    if class_weights is not None:
+        products = g.op("Mul", products, class_weights)
+    if reduction_name == "none":
+        return g.op("Neg", symbolic_helper._reducesum_helper(g, products, axes_i=[1], keepdims_i=0))
+    total = g.op("Neg", symbolic_helper._reducesum_helper(g, products, keepdims_i=0))
+    if reduction_name == "sum":
+        return total
+    samples = g.op("Div", g.op("Cast", g.op("Size", scores), to_i=1), _constant(g, float(classes)))  # 1: float32
+    return g.op("Div", total, samples)
 
 
 def _extreme(onnx_op, torch_symbolic):

@@ -535,16 +535,21 @@ def test_max_pool_gradient(kernel, stride, pads, relu_first):
     assert "MaxPoolGrad" not in op_types(train)
 
 
+@pytest.mark.parametrize("probabilities", [False, True], ids=["class-indices", "class-probabilities"])
 @pytest.mark.parametrize("reduction, weighted", [("none", False), ("mean", True), ("sum", True)])
-def test_cross_entropy_with_label_smoothing_at_edge_values(reduction, weighted):
-    """symbolics.cross_entropy_loss: torch's label smoothing formula, a row per edge value (and a
-    kink's neighbour) among ordinary scores, one target ignored in the weighted cases."""
+def test_cross_entropy_with_label_smoothing_at_edge_values(reduction, weighted, probabilities):
+    """symbolics.cross_entropy_loss: torch's label smoothing formulas, a row per edge value (and a
+    kink's neighbour) among ordinary scores; with class indices one target ignored in the weighted
+    cases, with class probabilities (soft labels) rows of a softmax."""
     rows = np.array([[value, 0.5, -1.0, 2.0, 0.0] for value in edge_values(*KINKS)], np.float32)
     targets = np.arange(len(rows)) % 5
     ignore_index = -100
     if weighted:
         targets[1] = ignore_index
-    values = {"x": rows, "t": targets.astype(np.int64), "w": np.array([0.5, 1.0, 2.0, 1.5, 0.7], np.float32)}
+    if probabilities:
+        targets = torch.softmax(torch.randn(rows.shape, generator=torch.Generator().manual_seed(0)), 1).numpy()
+    values = {"x": rows, "t": targets if probabilities else targets.astype(np.int64),
+              "w": np.array([0.5, 1.0, 2.0, 1.5, 0.7], np.float32)}  # fmt: skip
 
     def function(x, t, w):
         return F.cross_entropy(x, t, weight=w if weighted else None, ignore_index=ignore_index, reduction=reduction,

@@ -176,6 +176,9 @@ LOSSES = {
     "cross_entropy (label_smoothing, weight, ignore_index, sum)": (
         lambda out, y: F.cross_entropy(out, y, weight=torch.linspace(0.5, 2, 8), ignore_index=3, reduction="sum",
                                        label_smoothing=0.2), "class"),  # fmt: skip
+    "cross_entropy (class probabilities)": (F.cross_entropy, "distribution"),
+    "cross_entropy (class probabilities, label_smoothing, weight)": (
+        lambda out, y: F.cross_entropy(out, y, weight=torch.linspace(0.5, 2, 8), label_smoothing=0.1), "distribution"),
 }
 TARGETS = {
     None: lambda shape, g: torch.randn(shape, generator=g),
@@ -183,6 +186,7 @@ TARGETS = {
     "sign": lambda shape, g: torch.randint(0, 2, shape, generator=g).float() * 2 - 1,
     "count": lambda shape, g: torch.randint(0, 5, shape, generator=g).float(),
     "class": lambda shape, g: torch.arange(shape[0]) % shape[1],  # every class once, 3 (ignored in one case) too
+    "distribution": lambda shape, g: torch.softmax(torch.randn(shape, generator=g), 1),
 }
 
 
