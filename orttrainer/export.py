@@ -337,12 +337,10 @@ def _is_harmless(heard: _Heard) -> bool:
     return any(issubclass(heard.category, category) and re.search(pattern, heard.message) for category, pattern in _HARMLESS)
 
 
-def _mutation_problem(heard: _Heard, state_names, changed_inputs):
-    """Why an in-place op the exporter turned into a copy makes the graph differ, or None (not such a
-    warning, or harmless: it changed a tensor made from the batch, not the batch or the module's state)."""
-    found = re.search(_MUTATION, heard.message)
-    if found is None:
-        return None
+def _mutation_problem(found: re.Match, state_names, changed_inputs):
+    """Why the in-place op of a ``_MUTATION`` warning (``found``), which the exporter turned into a copy, makes
+    the graph differ, or None (harmless: it changed a tensor made from the batch, not the batch or the
+    module's state)."""
     op, target = found.group(1), found.group(2)
     if target in state_names:
         return (f"forward changes the buffer '{target[len(_WRAPPED):]}' in place ({op}), and the graph cannot: torch would "
@@ -447,8 +445,9 @@ class _ExporterWarnings:
         for heard in self.heard:
             if _is_harmless(heard):
                 continue
-            if re.search(_MUTATION, heard.message):
-                reason = _mutation_problem(heard, self.state_names, changed)
+            mutation = re.search(_MUTATION, heard.message)
+            if mutation is not None:
+                reason = _mutation_problem(mutation, self.state_names, changed)
                 if reason is not None and f"{heard.describe()}: {reason}" not in problems:
                     problems.append(f"{heard.describe()}: {reason}")
                 continue

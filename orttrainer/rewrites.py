@@ -1271,15 +1271,8 @@ def copy_with_inputs_for(model: onnx.ModelProto, names) -> onnx.ModelProto:
 
 def structure_for_inference(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` as shape inference needs it: the weights' shapes without their data (``copy_with_inputs_for``)."""
-    large = [init.name for init in model.graph.initializer if _elements(init.dims) > _INFERENCE_READS_VALUES_UP_TO]
+    large = [init.name for init in model.graph.initializer if np.prod(init.dims) > _INFERENCE_READS_VALUES_UP_TO]
     return copy_with_inputs_for(model, large)
-
-
-def _elements(dims) -> int:
-    count = 1
-    for size in dims:
-        count *= size
-    return count
 
 
 def _copy_without(message, skipped: str):

@@ -232,10 +232,13 @@ def cross_entropy_loss(g, scores, target, weight, reduction, ignore_index, label
     weighted = not symbolic_helper._is_none(weight)
     sizes, rank = symbolic_helper._get_tensor_sizes(scores), symbolic_helper._get_tensor_rank(scores)
     probabilities = target.type().scalarType() in ("Float", "Double", "Half", "BFloat16")
-    if (probabilities or label_smoothing) and (not sizes or len(sizes) < 2 or sizes[1] is None):
-        raise ValueError(f"cross_entropy with {'class probabilities' if probabilities else 'label_smoothing'}: orttrainer "
-                         "exports it for scores of a fixed number of classes in dim 1 (a batch), which these are not")  # fmt: skip
-    class_weights = symbolic_helper._unsqueeze_helper(g, weight, list(range(1, rank - 1))) if weighted else None  # along dim 1
+    class_weights = None  # along dim 1, for torch's formulas
+    if probabilities or label_smoothing:
+        if not sizes or len(sizes) < 2 or sizes[1] is None:
+            raise ValueError(f"cross_entropy with {'class probabilities' if probabilities else 'label_smoothing'}: orttrainer "
+                             "exports it for scores of a fixed number of classes in dim 1 (a batch), which these are not")  # fmt: skip
+        if weighted:
+            class_weights = symbolic_helper._unsqueeze_helper(g, weight, list(range(1, rank - 1)))
     if probabilities:
         return _cross_entropy_of_probabilities(g, scores, target, class_weights, reduction_name, label_smoothing, sizes[1])
     nll = g.op("SoftmaxCrossEntropyLoss", scores, target, *([weight] if weighted else []), reduction_s=reduction_name,
@@ -247,7 +250,7 @@ def cross_entropy_loss(g, scores, target, weight, reduction, ignore_index, label
     if weighted:
         log_probabilities = g.op("Mul", log_probabilities, class_weights)
     smooth = g.op("Neg", symbolic_helper._reducesum_helper(g, log_probabilities, axes_i=[1], keepdims_i=0))
-    ignored = g.op("Equal", target, g.op("Constant", value_t=torch.tensor(ignore_index, dtype=torch.int64)))
+    ignored = g.op("Equal", target, build.const(ignore_index, np.int64))
     smooth = rewrites.where(build, ignored, 0.0, smooth)
     if reduction_name != "none":
         smooth = symbolic_helper._reducesum_helper(g, smooth, keepdims_i=0)
