@@ -174,7 +174,7 @@ class TorchExport:
     inputs: list  # the batch, on the CPU
     desc: _ORTTrainerModelDesc  # the user's, or inferred from this batch
     outputs: list  # torch's outputs for this batch (eval mode, no autograd), the loss among them
-    state: dict  # the module's state before the export (tracing runs BatchNorm in training mode)
+    state: dict  # the module's state before the export (_state_before_export)
     onnx_model: onnx.ModelProto
     lookups: dict  # {Gather node name: export.EmbeddingLookup}
     frozen_values: list  # where the trace froze a value of this batch (export._FROZEN_VALUE)
@@ -193,8 +193,9 @@ class TorchSource:
         """Export at this batch; ``model_desc`` None: inferred from it (dim 0 dynamic).
 
         ``compared_only``: the graph is only compared with the one built at the same shapes from other
-        values (graph_cache's values check); the custom-backward check that build ran (a forward with
-        autograd: the activations' memory, during training) is not repeated, the weights not copied.
+        values (graph_cache's values check); the custom-backward check that build ran is not repeated, and
+        the weights are neither copied nor exported (graph inputs instead of initializers: the same structure,
+        without a second copy of every weight in the proto while training holds its memory).
         A branch on the values themselves is refused by every export (``export._ValuesTurnedPython``).
         """
         module, loss_fn = self.module, self.loss_fn
@@ -207,10 +208,11 @@ class TorchSource:
         else:
             loss_index = _loss_index(desc, outputs, loss_fn, inferred=self.model_desc is None)
             export.refuse_custom_backward(module, loss_fn, self.forward_names, cpu_inputs, loss_index)
-            state = {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
+            state = _state_before_export(module)
         onnx_model, lookups, frozen_values = export.export_to_onnx(
             module, cpu_inputs, loss_fn, self.forward_names, [(entry.name, entry.shape) for entry in desc.inputs],
             [(entry.name, entry.shape) for entry in desc.outputs], self.options._internal_use.onnx_opset_version,
+            with_weights=not compared_only,
         )  # fmt: skip
         return TorchExport(cpu_inputs, desc, outputs, state, onnx_model, lookups, frozen_values)
 
@@ -218,6 +220,15 @@ class TorchSource:
         """Give the export copy the trainer's current weights, so that a later export and its
         sample outputs (debug.check_model_export) see what the trainer trains."""
         self.module.load_state_dict({name: tensor.detach().cpu() for name, tensor in weights.items()}, strict=False)
+
+
+def _state_before_export(module) -> dict:
+    """The module's state_dict before its export: the parameters themselves, the buffers copied (the trace runs
+    forward in training mode, which moves BatchNorm statistics). On the CPU the trainer trains these very
+    parameter tensors, so the export copy always holds the trainer's weights, without a third copy of them
+    beside the user's module and the trainer's."""
+    return {name: tensor.detach() if isinstance(tensor, torch.nn.Parameter) else tensor.detach().clone()
+            for name, tensor in module.state_dict(keep_vars=True).items()}  # fmt: skip
 
 
 def from_torch(source, exported, device, providers, data_parallel=None, shared=None) -> Runtime:

@@ -317,6 +317,33 @@ def test_value_frozen_from_a_fixed_width_trains_like_torch_at_every_batch_shape(
     assert trainer._graphs.built == 1  # the export at 5 rows gave the same graph
 
 
+class WidthAsPythonNumberAmongEveryKindOfWeight(WidthAsPythonNumber):
+    """WidthAsPythonNumber beside weights of every kind a graph holds: tied, frozen, unused, BatchNorm
+    statistics, a non-persistent buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(4)
+        self.frozen, self.unused, self.tied = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+        self.frozen.requires_grad_(False)
+        self.tied.weight = self.fc.weight
+        self.register_buffer("scale", torch.linspace(0.5, 2.0, 4), persistent=False)
+
+    def forward(self, x):
+        return super().forward(self.frozen(self.norm(x))) * self.scale + self.tied(x)
+
+
+def test_values_check_without_weights_sees_the_graph_built_with_them():
+    """The values check exports its batch with the weights as graph inputs (no copy of them while training
+    holds its memory): the same structure as the built graph's, whatever kinds of weights it has."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(rows, 4, generator=generator), torch.randn(rows, 4, generator=generator)) for rows in (3, 3, 5, 3)]
+    trainer, _ = run_parity(WidthAsPythonNumberAmongEveryKindOfWeight(), data, optim.SGDConfig(lr=0.1), sgd,
+                            loss_fn=F.mse_loss)  # fmt: skip
+    assert trainer._graphs.built == 1
+
+
 class ReverseGradient(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
