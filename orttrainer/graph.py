@@ -487,7 +487,9 @@ def make_differentiable(model: onnx.ModelProto, weight_names, loss_name: str, fa
     try:
         rewritten = set(rewrites.rewrite_for_training(model, only_between={node.name for node in on_path}))
     except rewrites.RewriteError as error:
-        raise GradientBuildError(f"cannot make this op differentiable: {error}") from error
+        where = module_path(error.node_name)
+        raise GradientBuildError("cannot make this op differentiable" + (f" in module '{where}'" if where else "")
+                                 + f": {error}") from error  # fmt: skip
     missing = [description for name, description in without_gradient if name not in rewritten] + untrainable_inputs
     missing += [f"{describe_node(node)}: control flow, e.g. from squeeze() of a dimension the exporter cannot size "
                 "(squeeze a known dimension, or index it with [:, 0])" for node in _control_flow_before(model, loss_name)]

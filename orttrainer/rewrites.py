@@ -37,6 +37,8 @@ def _decoded(value):
 class RewriteError(ValueError):
     """An op could be rewritten in general, but not this instance (e.g. a dynamic dimension)."""
 
+    node_name = ""  # the node whose rewrite failed, set by the rewrite's caller
+
 
 @dataclass
 class GraphFacts:
@@ -1408,6 +1410,7 @@ def _replaced(table: dict, build: NodeBuilder, failed) -> bool:
     try:
         return table[build.node.op_type](build) is not False
     except RewriteError as error:
+        error.node_name = build.node.name
         if failed is None:
             raise
         failed[build.node.name] = error

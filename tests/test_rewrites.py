@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper, numpy_helper
 from parity import cpu_options, run_parity
 
-from orttrainer import ORTTrainer, optim
+from orttrainer import GradientBuildError, ORTTrainer, optim
 
 
 class Around(nn.Module):
@@ -281,13 +281,28 @@ def test_model_with_groupnorm_mish_elu_hardswish_and_l1_loss_trains_like_torch()
 
 
 def test_an_op_that_cannot_be_rewritten_is_named():
-    from orttrainer.graph import GradientBuildError
-
     torch.manual_seed(0)
     model = Around(lambda h: torch.einsum("bjk,bjk->b", h.reshape(6, 2, 4), h.reshape(6, 2, 4)).unsqueeze(1))
     trainer = ORTTrainer(model, None, optim.SGDConfig(), loss_fn=F.mse_loss, options=cpu_options())
     with pytest.raises(GradientBuildError, match=r"Einsum node '/model/Einsum'.*needs reshapes"):
         trainer.train_step(vectors(torch.Generator()), torch.randn(6, 1))
+
+
+def test_an_op_that_cannot_be_rewritten_names_its_module():
+    """nn.LocalResponseNorm exports a Pad of computed sizes before its AveragePool: a size the rewrite needs is unknown."""
+
+    class WithLocalResponseNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+            self.norm = nn.LocalResponseNorm(2)
+
+        def forward(self, x):
+            return self.norm(self.conv(x)).mean((2, 3))
+
+    trainer = ORTTrainer(WithLocalResponseNorm(), None, optim.SGDConfig(), loss_fn=F.mse_loss, options=cpu_options())
+    with pytest.raises(GradientBuildError, match=r"cannot make this op differentiable in module 'norm': AveragePool node "):
+        trainer.train_step(torch.randn(2, 3, 8, 8), torch.randn(2, 4))
 
 
 class FrozenNorm(nn.Module):
