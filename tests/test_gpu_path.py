@@ -5,6 +5,7 @@ extra, skip with the reason.
 """
 
 import importlib.util
+import types
 from pathlib import Path
 
 import onnx
@@ -12,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from onnx import TensorProto, helper
+from onnxruntime.capi._pybind_state import OrtDevice
 
 from models import MLP
 from orttrainer import ORTTrainer, ORTTrainerOptions, amp, cuda_libraries, distributed, optim, session
@@ -66,7 +68,7 @@ class FakeInferenceSession:
         return []
 
     def io_binding(self):
-        return None
+        return types.SimpleNamespace(_iobinding=None)
 
 
 @pytest.fixture
@@ -97,6 +99,14 @@ def test_gpu_provider_runs_on_torchs_current_stream(fake_gpu_session, monkeypatc
 def test_rocm_provider_runs_on_torchs_current_stream(fake_gpu_session, monkeypatch):
     _, options = build_gpu_session(ROCM_AND_CPU, True, FakeStream(77), monkeypatch)
     assert options == [{"device_id": "0", "user_compute_stream": "77"}, {}]
+
+
+def test_tensors_are_bound_in_the_memory_of_their_gpu():
+    """CUDA and ROCm tensors alike are torch 'cuda' devices: ONNX Runtime's GPU memory, at their index."""
+    for device, kind, index in [(torch.device("cuda", 1), OrtDevice.cuda(), 1), (torch.device("cuda"), OrtDevice.cuda(), 0),
+                                (torch.device("cpu"), OrtDevice.cpu(), 0)]:  # fmt: skip
+        ort_device = session._ort_device(device)
+        assert (ort_device.device_type(), ort_device.device_id()) == (kind, index), device
 
 
 def test_torchs_default_stream_is_not_passed_a_session_stream_is_made(fake_gpu_session, monkeypatch):
