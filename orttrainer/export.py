@@ -300,8 +300,8 @@ _DIFFERENT = [
 _FROM_VALUES = ("a Python value (an `if`, int(), float(), .item()) computed from the values of the batch or the "
                 "weights: the trace keeps what the first batch gave, for every batch; use tensor ops (torch.where, masks) "
                 "or train this model with torch")
-_FROZEN_VALUE = (r"Converting a tensor to a Python (integer|float|number|index|boolean)|Iterating over a tensor|"
-                 r"torch\.tensor results are registered as constants")  # fmt: skip
+_CONSTANT_TENSOR = r"torch\.tensor results are registered as constants"
+_FROZEN_VALUE = rf"Converting a tensor to a Python (integer|float|number|index|boolean)|Iterating over a tensor|{_CONSTANT_TENSOR}"
 
 
 def _only_complains(statements) -> bool:
@@ -391,6 +391,11 @@ def _reads_values(value) -> bool:
     return False
 
 
+def _holds_no_values(data) -> bool:
+    """Whether ``torch.tensor(data)`` is empty: a (nested) sequence without elements."""
+    return isinstance(data, (list, tuple)) and all(_holds_no_values(item) for item in data)
+
+
 class _ValuesTurnedPython(TorchFunctionMode):
     """Notes where the traced code turns a tensor that depends on the batch's or the weights'
     values into a Python value (an ``if`` on it, ``int(...)``): the trace freezes that value,
@@ -400,8 +405,15 @@ class _ValuesTurnedPython(TorchFunctionMode):
     def __init__(self):
         super().__init__()
         self.from_values = set()  # user locations (``_user_location``)
+        self.making_empty_tensor = False  # a torch.tensor of no values is under way (``_holds_no_values``)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.tensor and args and _holds_no_values(args[0]):
+            self.making_empty_tensor = True
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                self.making_empty_tensor = False
         if func not in _TO_PYTHON or torch._C._get_tracing_state() is None:
             return func(*args, **(kwargs or {}))
         try:
@@ -443,6 +455,8 @@ class _ExporterWarnings:
         return self
 
     def _hear(self, message, category, filename, lineno, file=None, line=None):
+        if self.values.making_empty_tensor and re.search(_CONSTANT_TENSOR, str(message)):
+            return  # an empty tensor holds no value of the batch (transformers' DynamicCache makes two per layer)
         if filename.startswith(_OWN_DIRECTORY):
             filename, lineno = _ValuesTurnedPython.caller() or (filename, lineno)
         self.heard.append(_Heard(category, str(message), filename, lineno, _user_location()))

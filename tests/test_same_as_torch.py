@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from models import CNN, MLP, cnn_batch, mlp_batch
 from parity import cpu_options, run_parity
 
-from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+from orttrainer import ORTTrainer, ORTTrainerOptions, build, optim
 from orttrainer.export import ExportError
 from orttrainer.verify import TorchMismatchError
 
@@ -342,6 +342,32 @@ def test_values_check_without_weights_sees_the_graph_built_with_them():
     trainer, _ = run_parity(WidthAsPythonNumberAmongEveryKindOfWeight(), data, optim.SGDConfig(lr=0.1), sgd,
                             loss_fn=F.mse_loss)  # fmt: skip
     assert trainer._graphs.built == 1
+
+
+class TensorMadeInForward(nn.Module):
+    """Makes a tensor from Python values in forward, as transformers' DynamicCache makes empty ones per layer."""
+
+    def __init__(self, values):
+        super().__init__()
+        self.fc, self.values = nn.Linear(4, 4), values
+
+    def forward(self, x):
+        made = torch.tensor(self.values, dtype=x.dtype)
+        return torch.cat([made.flatten(), self.fc(x).flatten()])[made.numel():].reshape(x.shape) + made.sum()
+
+
+@pytest.mark.parametrize("values, exports", [([], 1), ([[], []], 1), ([0.5], 2)], ids=["empty", "empty-nested", "a-value"])
+def test_an_empty_tensor_made_in_forward_freezes_no_value(values, exports, monkeypatch):
+    """A tensor made from Python values is a constant of the trace, so the first batch with other values is exported
+    again to show the graph does not change (the values check); an empty one holds no value: no second export."""
+    counted = []
+    export = build.TorchSource.export
+    monkeypatch.setattr(build.TorchSource, "export", lambda *args, **kwargs: counted.append(1) or export(*args, **kwargs))
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(3, 4, generator=generator), torch.randn(3, 4, generator=generator)) for _ in range(3)]
+    torch.manual_seed(0)
+    run_parity(TensorMadeInForward(values), data, optim.SGDConfig(lr=0.1), sgd, loss_fn=F.mse_loss)
+    assert len(counted) == exports
 
 
 class ReverseGradient(torch.autograd.Function):
