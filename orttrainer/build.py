@@ -432,8 +432,9 @@ def _build(onnx_model, model_desc, weights, trainable, options, device, provider
     mixed_precision = options.mixed_precision.enabled
     one_thread = device.type == "cpu" and graph.small_convolutions_dominate(onnx_model, facts)
     convolutions = _convolutions_on_torch(options, device, onnx_model, facts)
-    keep_for_torch = torch_convolutions.STEPS_BETWEEN_CONVOLUTIONS if convolutions and torch_convolutions.runs_convolutions(
-        onnx_model.graph.node) else ()  # fmt: skip
+    nodes = onnx_model.graph.node
+    keep_for_torch = torch_convolutions.op_types_for_torch(nodes) if convolutions and torch_convolutions.runs_convolutions(
+        nodes) else ()  # fmt: skip
     graphs = graph.build_training_graphs(
         onnx_model, trainable, frozen, model_desc.loss_output.name, [entry.name for entry in model_desc.outputs],
         mixed_precision, on_cpu=device.type == "cpu", lookups=lookups, facts=facts, keep_for_torch=keep_for_torch,

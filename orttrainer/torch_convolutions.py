@@ -32,6 +32,9 @@ TORCH_OPS = ("Conv", "ConvGrad")
 # A HardSwish gradient's nodes (defined_gradients.py) collapsed into one node for torch; not an ONNX
 # Runtime op, so a graph holding it cannot run anywhere but in a SplitSession.
 HARD_SWISH_GRADIENT = "HardSwishGrad"
+# A MaxPoolGrad (dy, indices) that also reads its MaxPool's input, whose shape torch's kernel needs; for
+# torch only, like HARD_SWISH_GRADIENT.
+MAX_POOL_GRADIENT = "MaxPoolGradFromInput"
 _TORCH_DOMAIN = "orttrainer.torch"
 _HALF_TYPES = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 
@@ -144,6 +147,89 @@ class _HardSwishGradient(_NodeStep):
         return {self.outputs[0]: torch.ops.aten.hardswish_backward(values[self.inputs[0]], values[self.inputs[1]])}
 
 
+class _MaxPool(_NodeStep):
+    """A ``MaxPool`` node as torch's ``max_pool{2,3}d_with_indices`` (1-D: as 2-D, as torch computes it),
+    which takes NaN as a window's maximum where ONNX Runtime's kernel skips it. Its indices are handed
+    on in ONNX's layout, flat over the whole input (torch's are flat within each (sample, channel) plane)."""
+
+    def __init__(self, node: onnx.NodeProto):
+        super().__init__(node)
+        attributes = node_attributes(node)
+        self.kernel = list(attributes["kernel_shape"])
+        dims = len(self.kernel)
+        self.stride = list(attributes.get("strides", [1] * dims))
+        self.padding = list(attributes.get("pads", [0] * 2 * dims))[:dims]
+        self.dilation = list(attributes.get("dilations", [1] * dims))
+        self.ceil_mode = bool(attributes.get("ceil_mode", 0))
+
+    def _arguments(self):
+        """kernel, stride, padding, dilation as torch's 2-D or 3-D kernels take them (1-D with a leading 1)."""
+        if len(self.kernel) == 1:
+            return [1] + self.kernel, [1] + self.stride, [0] + self.padding, [1] + self.dilation
+        return self.kernel, self.stride, self.padding, self.dilation
+
+    def _as_2d_or_3d(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.unsqueeze(-2) if len(self.kernel) == 1 else tensor
+
+    def _as_given(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.squeeze(-2) if len(self.kernel) == 1 else tensor
+
+    def _pool(self):
+        return torch.ops.aten.max_pool3d_with_indices if len(self.kernel) == 3 else torch.ops.aten.max_pool2d_with_indices
+
+    def run(self, values: dict) -> dict:
+        x = values[self.inputs[0]]
+        y, indices = self._pool()(self._as_2d_or_3d(x), *self._arguments(), self.ceil_mode)
+        produced = {self.outputs[0]: self._as_given(y)}
+        if len(self.outputs) > 1 and self.outputs[1]:
+            plane = x.shape[2:].numel()
+            planes = torch.arange(x.shape[0] * x.shape[1], dtype=torch.int64).view(x.shape[0], x.shape[1], *[1] * len(self.kernel))
+            produced[self.outputs[1]] = self._as_given(indices) + planes * plane
+        return produced
+
+
+class _MaxPoolGradient(_MaxPool):
+    """A ``MAX_POOL_GRADIENT`` node (dy, ONNX's indices, the MaxPool's input; the MaxPool's attributes)
+    as torch's ``max_pool{2,3}d_with_indices_backward``, the call of torch's autograd."""
+
+    def run(self, values: dict) -> dict:
+        dy, indices, x = (values[name] for name in self.inputs[:3])
+        backward = (torch.ops.aten.max_pool3d_with_indices_backward if len(self.kernel) == 3
+                    else torch.ops.aten.max_pool2d_with_indices_backward)  # fmt: skip
+        within_plane = indices.remainder(x.shape[2:].numel())
+        dx = backward(self._as_2d_or_3d(dy), self._as_2d_or_3d(x), *self._arguments(), self.ceil_mode,
+                      self._as_2d_or_3d(within_plane))  # fmt: skip
+        return {self.outputs[0]: self._as_given(dx)}
+
+
+def max_pool_runs_on_torch(node: onnx.NodeProto) -> bool:
+    """A MaxPool torch's kernel computes as ONNX defines it: explicit padding, the same at both ends
+    and at most half the kernel, as torch requires (every MaxPool the exporter writes), row-major indices."""
+    attributes = _attributes(node)
+    kernel = list(attributes.get("kernel_shape", []))
+    dims = len(kernel)
+    pads = list(attributes.get("pads", [0] * 2 * dims))
+    return (1 <= dims <= 3 and attributes["auto_pad"] in ("NOTSET", "VALID") and attributes.get("storage_order", 0) == 0
+            and pads[:dims] == pads[dims:] and all(pad <= size // 2 for pad, size in zip(pads, kernel)))  # fmt: skip
+
+
+def attach_max_pool_inputs(model: onnx.ModelProto) -> int:
+    """Replace, in place, each MaxPoolGrad whose MaxPool torch runs (``max_pool_runs_on_torch``) by a
+    ``MAX_POOL_GRADIENT`` node that also reads the MaxPool's input; return how many."""
+    producers = {name: node for node in model.graph.node for name in node.output if name}
+    replaced = 0
+    for index, node in enumerate(model.graph.node):
+        forward = producers.get(node.input[1]) if node.op_type == "MaxPoolGrad" and len(node.input) > 1 else None
+        if forward is None or forward.op_type != "MaxPool" or not max_pool_runs_on_torch(forward):
+            continue
+        gradient = helper.make_node(MAX_POOL_GRADIENT, [node.input[0], node.input[1], forward.input[0]], list(node.output),
+                                    name=node.name, domain=_TORCH_DOMAIN)  # fmt: skip
+        gradient.attribute.extend(forward.attribute)
+        model.graph.node[index].CopyFrom(gradient)
+        replaced += 1
+    return replaced
+
+
 class _Sum(_NodeStep):
     """A ``Sum`` (or ``Identity``) node as torch's additions, left to right; an Identity hands its input on."""
 
@@ -170,16 +256,34 @@ def torch_can_run(node: onnx.NodeProto) -> bool:
 
 # Ops torch computes in one pass where the segments would take several: between two convolutions
 # on torch they cost no extra boundary (benchmarks/NOTES.md §23, §26).
-STEPS_BETWEEN_CONVOLUTIONS = ("ReluGrad", "BatchNormalizationGrad", "HardSwish", HARD_SWISH_GRADIENT)
+STEPS_BETWEEN_CONVOLUTIONS = ("ReluGrad", "BatchNormalizationGrad", "HardSwish", HARD_SWISH_GRADIENT, "MaxPool",
+                              MAX_POOL_GRADIENT)  # fmt: skip
 _JOINING_OPS = ("Identity", "Sum")  # on torch when they only pass on and add what torch computed
 _NODE_STEPS = {
     "ReluGrad": _ReluGradient,
     "BatchNormalizationGrad": _BatchNormGradient,
     "HardSwish": _HardSwish,
     HARD_SWISH_GRADIENT: _HardSwishGradient,
+    "MaxPool": _MaxPool,
+    MAX_POOL_GRADIENT: _MaxPoolGradient,
     "Identity": _Sum,
     "Sum": _Sum,
 }
+
+
+def _torch_runs_between(node: onnx.NodeProto) -> bool:
+    """One of the ``STEPS_BETWEEN_CONVOLUTIONS`` that torch computes as ONNX defines it."""
+    if node.op_type == "MaxPool":
+        return max_pool_runs_on_torch(node)
+    return node.op_type in STEPS_BETWEEN_CONVOLUTIONS
+
+
+def op_types_for_torch(nodes) -> tuple:
+    """The op types the graph build leaves as they are for torch (no ONNX rewrite) in a graph of ``nodes``:
+    ``STEPS_BETWEEN_CONVOLUTIONS``, and MaxPoolGrad when torch runs every MaxPool (``attach_max_pool_inputs``
+    then makes them torch's; else all stay ONNX Runtime's fast scatter, which reads the indices either runs)."""
+    pools = [node for node in nodes if node.op_type == "MaxPool"]
+    return STEPS_BETWEEN_CONVOLUTIONS + (("MaxPoolGrad",) if all(max_pool_runs_on_torch(node) for node in pools) else ())
 
 
 def runs_convolutions(nodes) -> bool:
@@ -193,7 +297,7 @@ def torch_nodes(nodes, convolutions: bool) -> set:
     and the sums of torch's gradients."""
     names = torch_recurrent.torch_nodes(nodes)
     if convolutions and runs_convolutions(nodes):
-        names |= {node.name for node in nodes if torch_can_run(node) or node.op_type in STEPS_BETWEEN_CONVOLUTIONS}
+        names |= {node.name for node in nodes if torch_can_run(node) or _torch_runs_between(node)}
         names |= _joining_torch_gradients(nodes, names)
     return names
 
@@ -370,6 +474,7 @@ class SplitSession:
         self._model, self._open_session, self._convolutions = model, open_session, convolutions
         if convolutions and runs_convolutions(model.graph.node):
             collapse_hard_swish_gradients(model)
+            attach_max_pool_inputs(model)
         self.input_names = {graph_input.name for graph_input in model.graph.input}
         self.output_names = [output.name for output in model.graph.output]
         self._inputs, self._bound_outputs, self._allocated = {}, {}, []

@@ -362,6 +362,65 @@ def test_hardswish_on_torch_at_its_kinks_and_edges_gives_torchs_values_and_gradi
     torch.testing.assert_close(gradient[finite], expected[finite], atol=float(FLOOR), rtol=ULPS * 2**-23)
 
 
+class ShiftedMaxPool(nn.Module):
+    """max_pool(x + shift) -> 1x1 conv, as ShiftedHardswish: the shift's gradient is the pooling's input gradient."""
+
+    def __init__(self, shape, pool):
+        super().__init__()
+        self.shift = nn.Parameter(torch.zeros(shape))
+        self.pool = pool
+        self.conv = getattr(nn, f"Conv{len(shape) - 1}d")(shape[0], 2, 1)
+
+    def forward(self, x):
+        return self.conv(self.pool(x + self.shift)).flatten(1)
+
+
+@pytest.mark.parametrize("pool, shape", [
+    (nn.MaxPool2d(2), (1, 6, 6)),
+    (nn.MaxPool2d(3, stride=1, padding=1), (1, 6, 6)),  # overlapping windows: a maximum's gradients add up
+    (nn.MaxPool2d(3, stride=2, padding=1, dilation=2, ceil_mode=True), (1, 8, 8)),
+    (nn.MaxPool1d(3, stride=2, padding=1), (2, 19)),
+    (nn.MaxPool3d((1, 2, 2)), (1, 2, 6, 6)),
+], ids=["2x2", "3x3-overlapping", "dilated-ceil-mode", "1d", "3d"])  # fmt: skip
+def test_max_pool_on_torch_at_edge_values_gives_torchs_values_and_gradients(pool, shape):
+    """Ties (the first maximum wins), -inf windows, ±0, NaN (torch's kernel returns it, ONNX Runtime's skips
+    it): the split runs torch's own kernels, so every gradient equals torch's float32 one exactly."""
+    values = torch.from_numpy(edge_values(*KINKS))
+    torch.manual_seed(0)
+    images = torch.randn(2, *shape)
+    flat = images.view(-1)
+    flat[: 3 * len(values)] = torch.cat([values, values, torch.ones(len(values))])[torch.randperm(3 * len(values))]
+    model = ShiftedMaxPool(shape, pool)
+    initial = copy.deepcopy(model.state_dict())
+    reference = copy.deepcopy(model)
+    upstream = torch.from_numpy(upstream_like(reference(images).shape))
+    (reference(images) * upstream).sum().backward()
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=1.0), loss_fn=lambda output, weights: (output * weights).sum(),
+                         options=kernels("torch", debug={"check_against_torch": "off"}))  # fmt: skip
+    trainer.train_step(images, upstream)
+    session = _last_runtime(trainer).train_session
+    assert {"MaxPool", split.MAX_POOL_GRADIENT} <= {node.op_type for node in session._model.graph.node
+                                                    if node.name in session.on_torch}  # fmt: skip
+    state = trainer.state_dict(pytorch_format=True)
+    for name, parameter in reference.named_parameters():
+        torch.testing.assert_close(initial[name] - state[name], parameter.grad, atol=0, rtol=0, equal_nan=True,
+                                   msg=lambda m: f"{name}: {m}")  # fmt: skip
+
+
+def test_cnn_with_max_pool_on_torch_trains_and_evaluates_like_torch():
+    from models import CNN, cnn_batch
+
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    batches = [cnn_batch(size, generator) for size in (4, 4, 6)]
+    trainer, reference = run_parity(CNN(), batches, optim.SGDConfig(lr=LR), functools.partial(torch.optim.SGD, lr=LR),
+                                    loss_fn=F.cross_entropy, options=kernels("torch"))  # fmt: skip
+    session = _last_runtime(trainer).train_session
+    assert sum(session._model.graph.node[index].op_type == "MaxPool" for index in range(len(session._model.graph.node))
+               if session._model.graph.node[index].name in session.on_torch) == 2  # fmt: skip
+    _assert_evaluates_like(trainer, reference, *cnn_batch(5, generator))
+
+
 def test_size_one_spatial_dims_train_like_torch():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1), nn.Flatten(), nn.Linear(4, 2))
@@ -403,6 +462,30 @@ def test_torch_call_computes_the_onnx_conv_and_its_gradient(auto_pad, size):
     torch.testing.assert_close(gradients["dx"], x_.grad)
     torch.testing.assert_close(gradients["dw"], w_.grad)
 
+
+
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_torch_max_pool_hands_on_onnx_runtimes_indices(dims):
+    """The indices the torch MaxPool step hands on are ONNX Runtime's (flat over the whole input), and the gradient
+    step reads them back."""
+    import onnxruntime
+
+    attributes = dict(kernel_shape=[3] * dims, strides=[2] * dims, pads=[1] * 2 * dims)
+    node = helper.make_node("MaxPool", ["x"], ["y", "indices"], name="pool", **attributes)
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, *[7] * dims)
+    produced = split._MaxPool(node).run({"x": x})
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+                               helper.make_tensor_value_info("indices", TensorProto.INT64, None)])  # fmt: skip
+    onnx_model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    y, indices = onnxruntime.InferenceSession(onnx_model.SerializeToString()).run(None, {"x": x.numpy()})
+    assert torch.equal(produced["y"], torch.from_numpy(y)) and torch.equal(produced["indices"], torch.from_numpy(indices))
+    grad = helper.make_node(split.MAX_POOL_GRADIENT, ["dy", "indices", "x"], ["dx"], name="grad", **attributes)
+    dy = torch.randn(y.shape)
+    x_ = x.clone().requires_grad_()
+    getattr(F, f"max_pool{dims}d")(x_, 3, 2, 1).backward(dy)
+    assert torch.equal(split._MaxPoolGradient(grad).run({"dy": dy, "indices": produced["indices"], "x": x})["dx"], x_.grad)
 
 
 def _node(op, inputs, output):
