@@ -75,7 +75,7 @@ def sample_outputs(model, loss_fn, forward_names, inputs):
     modes = {layer: layer.training for layer in model.modules()}
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _DifferentiationRefused():
             return wrapper(*inputs), wrapper.form
     finally:
         for layer, training in modes.items():
@@ -160,6 +160,23 @@ def _spectral_norm_updates(layer: torch.nn.Module) -> bool:
     if isinstance(layer, _SpectralNorm):
         return layer.training and layer.n_power_iterations > 0
     return layer.training and any(isinstance(hook, _SpectralNormHook) for hook in layer._forward_pre_hooks.values())
+
+
+class _DifferentiationRefused(TorchFunctionMode):
+    """Refuses ``torch.autograd.grad`` and ``Tensor.backward`` inside forward or the loss (a gradient
+    penalty): the exporter cannot trace a derivative, and the training graph is the gradient of
+    forward + loss as a whole."""
+
+    _NAMES = {torch.autograd.grad: "torch.autograd.grad", torch.Tensor.backward: "Tensor.backward"}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self._NAMES:
+            raise ExportError(
+                f"forward or the loss function differentiates ({self._NAMES[func]} at "
+                f"{_user_location()}): ONNX Runtime trains with one gradient graph of forward + loss, which cannot "
+                "hold a derivative taken inside them; train this model with torch"
+            )
+        return func(*args, **(kwargs or {}))
 
 
 class _HookAndFunctionSpy(TorchFunctionMode):

@@ -370,6 +370,39 @@ def test_an_empty_tensor_made_in_forward_freezes_no_value(values, exports, monke
     assert len(counted) == exports
 
 
+class GradientPenalty(nn.Module):
+    """The input gradient's norm added to the output (a gradient penalty inside forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        x = x.detach().requires_grad_()
+        y = torch.tanh(self.fc(x))
+        (gradient,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        return y + gradient.pow(2).sum(1, keepdim=True)
+
+
+def loss_that_runs_backward(output, target):
+    loss = F.cross_entropy(output, target)
+    loss.backward(retain_graph=True)
+    return loss
+
+
+@pytest.mark.parametrize("module, loss_fn, call", [(GradientPenalty, F.mse_loss, "torch.autograd.grad"),
+                                                   (MLP, loss_that_runs_backward, "Tensor.backward")],
+                         ids=["autograd-grad-in-forward", "backward-in-the-loss"])  # fmt: skip
+def test_a_derivative_taken_inside_forward_or_the_loss_is_refused_naming_the_line(module, loss_fn, call):
+    torch.manual_seed(0)
+    model = module()
+    batch = (torch.randn(3, 4), torch.randn(3, 4)) if module is GradientPenalty else mlp_batch()
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=loss_fn, options=cpu_options())
+    with pytest.raises(ExportError, match=rf"differentiates \({call} at .*test_same_as_torch.py:\d+: .*train this model with torch"):
+        trainer.train_step(*batch)
+    assert trainer._training_session is None
+
+
 class ReverseGradient(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
