@@ -564,8 +564,9 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
     ``model`` comes from :func:`module_for_export`; ``desc_inputs``/``desc_outputs`` are
     (name, shape) pairs, string dims become dynamic. The global torch RNG is left as it
     was (tracing runs dropout once). ``with_weights`` False: the weights are graph inputs
-    of their type and shape instead of initializers (``rewrites.copy_with_inputs_for``'s form). Returns the ModelProto, {Gather node: EmbeddingLookup}
-    and the locations where the trace froze a value of this batch (see ``_FROZEN_VALUE``).
+    of their type and shape instead of initializers (``rewrites.copy_with_inputs_for``'s form).
+    Returns the ModelProto, {Gather node: EmbeddingLookup} and the locations where the trace
+    froze a value of this batch (see ``_FROZEN_VALUE``).
     """
     wrapper = with_loss(model, loss_fn, forward_names)
     buffer = io.BytesIO()

@@ -183,7 +183,7 @@ class _MaxPool(_NodeStep):
         produced = {self.outputs[0]: self._as_given(y)}
         if len(self.outputs) > 1 and self.outputs[1]:
             plane = x.shape[2:].numel()
-            planes = torch.arange(x.shape[0] * x.shape[1], dtype=torch.int64).view(x.shape[0], x.shape[1], *[1] * len(self.kernel))
+            planes = torch.arange(x.shape[0] * x.shape[1], dtype=torch.int64).view(*x.shape[:2], *[1] * len(self.kernel))
             produced[self.outputs[1]] = self._as_given(indices) + planes * plane
         return produced
 
