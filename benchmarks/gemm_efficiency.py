@@ -22,7 +22,7 @@ import onnx
 import onnxruntime
 from onnx import helper
 from op_profile import profiled_kernels
-from workloads import WORKLOADS
+from workloads import workload_named
 
 from orttrainer.session import session_options
 
@@ -91,7 +91,7 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--top", type=int, default=12)
     args = parser.parse_args()
-    (workload,) = [w for w in WORKLOADS if args.workload.lower() in w.name.lower()]
+    workload = workload_named(args.workload)
     rows, run_ms = gemm_efficiency(workload, args.steps)
     graph_total, alone_total = sum(row[2] for row in rows), sum(row[3] for row in rows)
     print(f"{workload.name}: {len(rows)} GEMM nodes, {graph_total:.1f} ms per step in the graph (run {run_ms:.1f} ms), "

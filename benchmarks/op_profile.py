@@ -17,7 +17,7 @@ from collections import defaultdict
 
 import onnxruntime
 import torch
-from workloads import WORKLOADS
+from workloads import workload_named
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 
@@ -109,7 +109,7 @@ def main():
     parser.add_argument("--match", default="", help="also sum the ONNX Runtime nodes whose names contain this")
     parser.add_argument("--no-torch", action="store_true", help="profile ONNX Runtime only")
     args = parser.parse_args()
-    (workload,) = [w for w in WORKLOADS if args.workload.lower() in w.name.lower()]
+    workload = workload_named(args.workload)
     ort, counts, run_ms, matched_ms = onnxruntime_ops(workload, args.steps, args.match)
     aten, step_ms = ({}, float("nan")) if args.no_torch else torch_ops(workload, args.steps)
     print(f"{workload.name}: ONNX Runtime run {run_ms:.1f} ms (kernels {sum(ort.values()):.1f}"

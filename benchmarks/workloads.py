@@ -121,6 +121,17 @@ WORKLOADS = [
 ]
 
 
+def workload_named(text):
+    """The one workload whose name is ``text`` or, failing that, the one that contains it
+    (case-insensitive); a ValueError listing the names otherwise."""
+    exact = [w for w in WORKLOADS if w.name.lower() == text.lower()]
+    matches = exact or [w for w in WORKLOADS if text.lower() in w.name.lower()]
+    if len(matches) != 1:
+        names = "\n  ".join(w.name for w in WORKLOADS)
+        raise ValueError(f"--workload {text!r} matches {len(matches)} workloads; give a part of one of:\n  {names}")
+    return matches[0]
+
+
 def _zoo_batch(make_batch, shape):
     return lambda g: make_batch(*shape, generator=g)
 

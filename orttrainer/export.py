@@ -139,10 +139,11 @@ def refuse_untrainable_modules(model: torch.nn.Module) -> None:
             raise NotImplementedError(
                 f"module '{path}' ({type(layer).__name__}) uses momentum=None (cumulative average); set a momentum"
             )
-        if isinstance(layer, torch.nn.Embedding) and layer.max_norm is not None:
+        if isinstance(layer, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and layer.max_norm is not None:
             problems.append(
-                f"module '{path}' (Embedding) has max_norm={layer.max_norm}: torch renormalises rows in place during forward, "
-                "which an ONNX graph cannot do; remove max_norm (or renormalise the weight yourself between steps)"
+                f"module '{path}' ({type(layer).__name__}) has max_norm={layer.max_norm}: torch renormalises rows in place "
+                "during forward, which an ONNX graph cannot do; remove max_norm (or renormalise the weight yourself "
+                "between steps)"
             )
         if _spectral_norm_updates(layer):
             owner = path.rsplit("parametrizations.", 1)[0].rstrip(".") if isinstance(layer, _SpectralNorm) else path

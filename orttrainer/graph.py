@@ -492,8 +492,7 @@ def make_differentiable(model: onnx.ModelProto, weight_names, loss_name: str, fa
                                  + f": {error}") from error  # fmt: skip
     missing = [description for name, description in without_gradient if name not in rewritten] + untrainable_inputs
     missing += [f"{describe_node(node)}: control flow, which the exporter writes e.g. for squeeze() of a dimension it "
-                "cannot size (squeeze a known dimension, or index it with [:, 0]) and for nn.EmbeddingBag (for bags of one "
-                "length: nn.Embedding, then sum or mean over the bag dimension)"
+                "cannot size (squeeze a known dimension, or index it with [:, 0])"
                 for node in _control_flow_before(model, loss_name)]  # fmt: skip
     if missing:
         listed = "; ".join(missing)

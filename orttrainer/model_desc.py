@@ -191,8 +191,8 @@ def match_inputs(args, kwargs, model_desc=None, model=None, has_label=False):
     for name, tensor in zip(names, tensors):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"input '{name}' must be a torch.Tensor, got {type(tensor).__name__}")
-    if model_desc is not None:
-        _check_against_entries(model_desc.inputs, tensors)
+    if model_desc is not None:  # an inferred one (form set) names sizes after the first batch, and ties none of them
+        _check_against_entries(model_desc.inputs, tensors, same_names_same_size=model_desc.form is None)
     return names, tensors
 
 
@@ -257,8 +257,9 @@ def _check_same_names(entries, names):
         )  # fmt: skip
 
 
-def _check_against_entries(entries, tensors):
-    """Each tensor has its entry's rank, fixed sizes and dtype; a symbolic size is the same in every input."""
+def _check_against_entries(entries, tensors, same_names_same_size=True):
+    """Each tensor has its entry's rank, fixed sizes and dtype; with ``same_names_same_size``, a
+    symbolic size is the same in every input that names it."""
     bound = {}
     for entry, tensor in zip(entries, tensors):
         if len(entry.shape) != tensor.dim():
@@ -271,7 +272,7 @@ def _check_against_entries(entries, tensors):
                     f"input '{entry.name}' dimension {index} must be {expected} (model_desc shape {entry.shape}), "
                     f"got shape {list(tensor.shape)}"
                 )
-            if isinstance(expected, str) and bound.setdefault(expected, actual) != actual:
+            if same_names_same_size and isinstance(expected, str) and bound.setdefault(expected, actual) != actual:
                 raise ValueError(
                     f"input '{entry.name}' dimension {index} ('{expected}') is {actual}, but another input "
                     f"has '{expected}' = {bound[expected]}"

@@ -161,7 +161,7 @@ def where(build, condition, if_true, if_false, output=None):
     return build.op("Where", [condition, *operands], output)
 
 
-def _mask(build, condition):
+def mask(build, condition):
     """1.0 where ``condition`` holds, else 0.0 (a float tensor), to select a branch by multiplying with it.
 
     In onnxruntime-training 1.19 a Where between tensors and its gradient (two more Wheres) cost
@@ -182,7 +182,7 @@ def _nonpositive_part(build, x):
     """
     tiny = build.const(np.finfo(np.float32).tiny)
     clamped = build.op("Sub", [tiny, build.op("Relu", [build.op("Sub", [tiny, x])])])
-    return build.op("Mul", [clamped, _mask(build, _compare(build, "LessOrEqual", x, 0.0))])
+    return build.op("Mul", [clamped, mask(build, _compare(build, "LessOrEqual", x, 0.0))])
 
 
 def _compare(build, op_type, x, value):
@@ -272,7 +272,7 @@ def _expm1_nonpositive(build, z):
     Runtime's Tanh is within 5). Below -1, exp(z) - 1 has no cancellation and its gradient
     exp(z) stays exact where tanh'(z / 2) = 1 - t^2 would round to 0.
     """
-    near = _mask(build, _compare(build, "GreaterOrEqual", z, -1.0))
+    near = mask(build, _compare(build, "GreaterOrEqual", z, -1.0))
     t = build.op("Tanh", [build.op("Mul", [z, build.const(0.5)])])
     ratio = build.op("Div", [build.op("Mul", [t, build.const(2.0)]), build.op("Sub", [build.const(1.0), t])])
     far = build.op("Sub", [build.op("Exp", [z]), build.const(1.0)])  # both finite for every z <= 0
@@ -324,8 +324,8 @@ def hard_sigmoid(build):
     line = build.op("Mul", [build.op("Sub", [x, build.const(low)]), build.const(alpha)])
     clipped = build.op("Clip", [line, build.const(0.0), build.const(1.0)])  # finite, also for x = ±inf
     inside = build.op("And", [_compare(build, "Greater", x, low), _compare(build, "Less", x, high)])
-    outside = _mask(build, _compare(build, "GreaterOrEqual", x, high))
-    build.op("Add", [build.op("Mul", [clipped, _mask(build, inside)]), outside], _output(build))
+    outside = mask(build, _compare(build, "GreaterOrEqual", x, high))
+    build.op("Add", [build.op("Mul", [clipped, mask(build, inside)]), outside], _output(build))
 
 
 def prelu(build):

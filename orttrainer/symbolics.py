@@ -9,9 +9,10 @@ and gradient, also at boundary values (tests/test_rewrites.py, tests/test_bounda
 import contextlib
 
 import numpy as np
+import onnx
 import torch
 from torch.onnx import symbolic_helper
-from torch.onnx._internal.torchscript_exporter import registration, symbolic_opset11
+from torch.onnx._internal.torchscript_exporter import _type_utils, registration, symbolic_opset11
 from torch.onnx._internal.torchscript_exporter import utils as exporter_utils
 
 from . import rewrites
@@ -328,6 +329,100 @@ def embedding(g, weight, indices, padding_idx, scale_grad_by_freq, sparse):
     return g.op("Gather", weight, marked)
 
 
+_BAG_MODES = ("sum", "mean", "max")
+
+
+def _module_scope(g) -> str:
+    """The name of the module whose node is being exported ('bag' from torch's scope name
+    'torch.nn.modules.sparse.EmbeddingBag::bag')."""
+    return g.original_node.scopeName().rsplit("/", 1)[-1].split("::")[-1] or "?"
+
+
+@symbolic_helper.parse_args("v", "v", "v", "i", "i", "i", "v", "i", "i")
+def embedding_bag(g, weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights, include_last_offset,
+                  padding_idx):  # fmt: skip
+    """torch's embedding_bag without a Loop: the bags laid out as rows of a [bags, longest bag]
+    index matrix, each row a bag's positions in ``indices``, the positions past its end (and the
+    entries equal to ``padding_idx``) masked out; then a sum, mean or max over the rows' embeddings.
+
+    torch's own symbolic writes a Loop over the bags, which onnxruntime-training cannot
+    differentiate. Masked entries take 0 (sum, mean) or -inf (max) through a Where, so an inf
+    or NaN embedding reaches only the bags that hold it, as in torch. mean divides the sum by
+    the bag's size, an empty bag being 0 (size 1), as torch's kernel does. max follows torch's
+    kernel, a running ``if value > current``: the bag's first entry if it is NaN, else the first
+    of the largest values, NaN skipped; that entry alone gets the gradient.
+    """
+    if scale_grad_by_freq:
+        raise ValueError(f"nn.EmbeddingBag '{_module_scope(g)}' with scale_grad_by_freq=True: orttrainer does not "
+                         "train it (only nn.Embedding's); set scale_grad_by_freq=False")  # fmt: skip
+    build, scalar_type = _ExportGraph(g), _type_utils.JitScalarType.from_value(weight)
+    dtype = torch.empty(0, dtype=scalar_type.dtype()).numpy().dtype
+    rows, valid, positions = _bags(build, weight, indices, offsets, include_last_offset, padding_idx)
+    kept = build.unsqueeze(valid, [2])  # [bags, longest, 1]
+    if not symbolic_helper._is_none(per_sample_weights):  # mode "sum" (torch refuses the others)
+        return _weighted_sum(build, rows, kept, positions, per_sample_weights, dtype, scalar_type.onnx_type()), None, None, None
+    if _BAG_MODES[mode] == "max":
+        empty = build.op("Equal", [build.reduce("ReduceMax", rewrites.mask(build, valid), [1], 1), build.const(0.0)])
+        return build.op("Where", [empty, build.const(0, dtype), _first_running_max(build, rows, kept, dtype)]), None, None, None
+    total = build.reduce("ReduceSum", build.op("Where", [kept, rows, build.const(0, dtype)]), [1], 0)
+    if _BAG_MODES[mode] == "mean":
+        sizes = build.reduce("ReduceSum", build.op("Where", [valid, build.const(1, dtype), build.const(0, dtype)]), [1], 1)
+        total = build.op("Div", [total, build.op("Max", [sizes, build.const(1, dtype)])])
+    return total, None, None, None
+
+
+def _bags(build, weight, indices, offsets, include_last_offset, padding_idx):
+    """([bags, longest bag, dim] embeddings of each bag's entries in order, [bags, longest bag]
+    bool: which of them belong to the bag, [bags, longest bag] their positions in ``indices``
+    (``len(indices)`` past a bag's end)). At least one column, so that an empty bag has an
+    entry to take max over."""
+    offsets, count = build.op("Cast", [offsets], to=onnx.TensorProto.INT64), build.op("Shape", [indices])
+    if include_last_offset:  # torch's kernel ends the last bag at the end of ``indices``, whatever the last offset says
+        offsets = build.op("Slice", [offsets, build.const([0], np.int64), build.const([-1], np.int64)])
+    following = build.op("Slice", [offsets, build.const([1], np.int64), build.const([2**62], np.int64)])
+    starts, ends = offsets, build.op("Concat", [following, count], axis=0)
+    lengths = build.op("Sub", [ends, starts])
+    longest = build.op("Max", [build.reduce("ReduceMax", lengths, [0], 0), build.const(1, np.int64)])
+    steps = build.unsqueeze(build.op("Range", [build.const(0, np.int64), longest, build.const(1, np.int64)]), [0])
+    valid = build.op("Less", [steps, build.unsqueeze(lengths, [1])])
+    positions = build.op("Where", [valid, build.op("Add", [build.unsqueeze(starts, [1]), steps]), count])
+    padded = build.op("Concat", [build.op("Cast", [indices], to=onnx.TensorProto.INT64), build.const([0], np.int64)], axis=0)
+    words = build.op("Gather", [padded, positions])  # past a bag's end: position `count`, word 0
+    if padding_idx is not None and padding_idx >= 0:
+        valid = build.op("And", [valid, build.op("Not", [build.op("Equal", [words, build.const(padding_idx, np.int64)])])])
+    return build.op("Gather", [weight, words]), valid, positions
+
+
+def _weighted_sum(build, rows, kept, positions, per_sample_weights, dtype, onnx_type):
+    """[bags, dim]: each bag's sum of its embeddings times their per-sample weights, in float64.
+    torch's kernel adds each product with a fused multiply-add, which does not overflow where
+    the product alone would (2 * FLT_MAX next to -inf is -inf there); float64 products do not
+    overflow either, and round to what torch's float32 sums round to."""
+    double = onnx.TensorProto.DOUBLE
+    padded = build.op("Concat", [per_sample_weights, build.const([0], dtype)], axis=0)
+    weights = build.unsqueeze(build.op("Cast", [build.op("Gather", [padded, positions])], to=double), [2])
+    products = build.op("Mul", [build.op("Cast", [rows], to=double), weights])
+    total = build.reduce("ReduceSum", build.op("Where", [kept, products, build.const(0, np.float64)]), [1], 0)
+    return build.op("Cast", [total], to=onnx_type)
+
+
+def _first_running_max(build, rows, kept, dtype):
+    """[bags, dim]: what torch's max bag computes, ``current = value if value > current`` over
+    the bag's entries from its first: the first entry if it is NaN (nothing is greater than
+    NaN), else the first of the largest, NaN entries never taken. Gathered from ``rows``, so
+    that entry alone gets the gradient."""
+    shape = build.op("Shape", [rows])
+    first = build.op("ArgMax", [build.op("Expand", [rewrites.mask(build, kept), shape])], axis=1, keepdims=1)
+    nan = build.op("IsNaN", [rows])
+    candidates = build.op("Where", [build.op("Or", [build.op("Not", [kept]), nan]), build.const(-np.inf, dtype), rows])
+    largest = build.reduce("ReduceMax", candidates, [1], 1)
+    ties = build.op("And", [build.op("Equal", [candidates, largest]), kept])
+    first_tie = build.op("ArgMax", [rewrites.mask(build, ties)], axis=1, keepdims=1)
+    first_is_nan = build.op("IsNaN", [build.op("GatherElements", [rows, first], axis=1)])
+    chosen = build.op("Where", [first_is_nan, first, first_tie])
+    return build.squeeze(build.op("GatherElements", [rows, chosen], axis=1), [1])
+
+
 def _from_the_end_wrapped(g, index, size):
     """torch's negative index counts from the end: ``index + size`` where it is below 0."""
     negative = g.op("Less", index, g.op("Constant", value_t=torch.tensor(0, dtype=torch.int64)))
@@ -352,6 +447,7 @@ def index(g, self, indices):
 _SYMBOLICS = {
     "index": index,
     "embedding": embedding,
+    "embedding_bag": embedding_bag,
     "softplus": softplus,
     "max": _extreme("ReduceMax", symbolic_helper._max_helper),
     "min": _extreme("ReduceMin", symbolic_helper._min_helper),

@@ -115,13 +115,20 @@ def exported_model(function, values: dict, upstream, trainable, opset=17):
 
 def run_training_graph(model, values: dict, trainable):
     """Build the trainer's training graph for ``model`` and run it once: ({output or
-    ``<name>_grad``: array}, the training graph)."""
+    ``<name>_grad``: array}, the training graph). An embedding lookup's rows gradient is
+    scatter-added into its weight's gradient, as the trainer does (graph.EmbeddingGradient;
+    lookups without a padding_idx or scale_grad_by_freq rule)."""
     frozen = [name for name in values if name not in trainable]
     graphs = graph.build_training_graphs(model, list(trainable), frozen, LOSS, [LOSS, "output"], on_cpu=True)
     session = onnxruntime.InferenceSession(graphs.train.SerializeToString(), providers=["CPUExecutionProvider"])
-    wanted = {graph_input.name for graph_input in session.get_inputs()}
-    results = session.run(None, {name: np.asarray(value) for name, value in values.items() if name in wanted})
-    return dict(zip([output.name for output in session.get_outputs()], results)), graphs.train
+    lookups = {embedding.lookup_input: embedding.weight for embedding in graphs.embedding_gradients}
+    feeds = {graph_input.name: np.asarray(values[lookups.get(graph_input.name, graph_input.name)]) for graph_input in session.get_inputs()}
+    results = dict(zip([output.name for output in session.get_outputs()], session.run(None, feeds)))
+    for embedding in graphs.embedding_gradients:
+        gradient = results.setdefault(f"{embedding.weight}_grad", np.zeros_like(values[embedding.weight]))
+        indices = results[embedding.indices_output].reshape(-1)
+        np.add.at(gradient, indices, results[embedding.rows_gradient].reshape(indices.size, *gradient.shape[1:]))
+    return results, graphs.train
 
 
 def _matches(actual, expected, ulps, floor):

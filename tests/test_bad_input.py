@@ -323,13 +323,3 @@ def test_control_flow_before_the_loss_is_refused_instead_of_aborting_the_process
     with pytest.raises(GradientBuildError, match=r"If \(node '/model/If'\): control flow, which the exporter writes e\.g\. "
                                                  r"for squeeze\(\)"):
         trainer.train_step(torch.randn(4, 7, 8), torch.tensor([7, 5, 3, 7]), torch.tensor([0, 1, 2, 0]))
-
-
-def test_embedding_bag_is_refused_with_what_to_use_instead():
-    """The exporter writes nn.EmbeddingBag as a Loop over the bags, which onnxruntime-training cannot differentiate."""
-    model = nn.Sequential(nn.EmbeddingBag(10, 4, mode="mean"), nn.Linear(4, 2))
-    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
-    with pytest.raises(GradientBuildError, match=r"Loop \(node '/model/model.0/Loop', module '0'\): control flow, .*nn\.EmbeddingBag "
-                                                 r"\(for bags of one length: nn\.Embedding, then sum or mean"):
-        trainer.train_step(torch.randint(0, 10, (3, 5)), torch.tensor([0, 1, 0]))
-    assert trainer._training_session is None

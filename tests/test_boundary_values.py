@@ -466,6 +466,50 @@ def test_bilinear_with_size_one_dimensions():
     check_against_torch(exported_model(function, values, upstream, list(values)), function, values, list(values), upstream)
 
 
+def _bag_weight():
+    """Embedding rows of edge values, each row a rotation of them (a bag adds or compares inf with
+    -inf, NaN with numbers, huge with huge); row 5 repeats row 1 (ties); row 6 is all -inf."""
+    values = edge_values(2.0, 2.0)
+    rows = [np.roll(values, 3 * row) for row in range(5)]
+    return np.stack(rows + [rows[1], np.full_like(values, -np.inf)]).astype(np.float32)
+
+
+# indices, offsets: bags [0, 1, 5], [] (empty), [2, 2, 6], [3], [4, 0, 5, 1, 3]; with padding_idx 2 the third is [6]
+BAG_INDICES, BAG_OFFSETS = np.array([0, 1, 5, 2, 2, 6, 3, 4, 0, 5, 1, 3]), np.array([0, 3, 3, 6, 7])
+BAGS = {
+    "sum": dict(mode="sum"),
+    "mean": dict(mode="mean"),
+    "max": dict(mode="max"),
+    "max, NaN first": dict(mode="max", first_nan=True),
+    "mean, padding_idx": dict(mode="mean", padding_idx=2),
+    "max, padding_idx": dict(mode="max", padding_idx=2),
+    "sum, per_sample_weights": dict(mode="sum", per_sample_weights=True),
+    "sum, include_last_offset": dict(mode="sum", include_last_offset=True),
+}
+
+
+@pytest.mark.parametrize("case", BAGS)
+def test_embedding_bag(case):
+    """F.embedding_bag (nn.EmbeddingBag) exported without a Loop (symbolics.embedding_bag): each bag's
+    value and the gradient of every row, an empty bag's 0 included; max as torch's kernel takes it
+    (the first of the largest, NaN only when it comes first) and its gradient to that entry only."""
+    options = dict(BAGS[case])
+    weight = _bag_weight()
+    if options.pop("first_nan", False):
+        weight = np.roll(weight, 1, axis=1)  # edge_values ends with NaN, now the first column
+    values = {"weight": weight, "indices": BAG_INDICES, "offsets": BAG_OFFSETS}
+    if options.pop("per_sample_weights", False):
+        values["per_sample_weights"] = np.array([1.0, -0.0, 2.0, np.inf, 0.0, -1e-30, np.nan, 1e30, -3.0, 0.5, 1.0, 7.0],
+                                                np.float32)  # fmt: skip
+    bags = len(BAG_OFFSETS) - (1 if options.get("include_last_offset") else 0)
+    function = lambda weight, indices, offsets, per_sample_weights=None: F.embedding_bag(  # noqa: E731
+        indices, weight, offsets, per_sample_weights=per_sample_weights, **options)
+    upstream = upstream_like((bags, weight.shape[1]))
+    trainable = [name for name in values if name not in ("indices", "offsets")]
+    train = check_against_torch(exported_model(function, values, upstream, trainable), function, values, trainable, upstream)
+    assert "Loop" not in op_types(train)
+
+
 # ---------------------------------------------------------------- fast CPU kernels
 def _masked_logits():
     inf = np.inf

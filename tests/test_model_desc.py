@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from models import MLP, TwoHeads, mlp_batch, two_head_batch, two_head_loss
-from parity import cpu_options
+from parity import cpu_options, run_parity
+from zoo import BagOfWordsClassifier
 
 from orttrainer import ORTTrainer, optim
 from orttrainer.model_desc import _ORTTrainerModelDesc
@@ -82,6 +83,17 @@ def test_inferred_from_first_batch_and_forward_signature():
         ("loss", [], True),
         ("output", ["batch", "output_dim1"], False),
     ]
+
+
+def test_sizes_equal_in_the_first_batch_are_not_tied_in_the_next():
+    """A bag of words' first batch happens to have one token per text, so its token count equals its
+    text count ('batch'); the next batch has more tokens than texts, and still trains as in torch."""
+    torch.manual_seed(0)
+    first = (torch.tensor([5, 6, 7]), torch.tensor([0, 1, 2]), torch.tensor([0, 1, 2]))
+    second = (torch.tensor([5, 6, 7, 8, 9, 10, 11]), torch.tensor([0, 3, 5]), torch.tensor([2, 1, 0]))
+    trainer, _ = run_parity(BagOfWordsClassifier(), [first, second, first], optim.SGDConfig(lr=0.5),
+                            lambda p: torch.optim.SGD(p, lr=0.5), loss_fn=F.cross_entropy)  # fmt: skip
+    assert [entry.shape for entry in trainer.model_desc.inputs] == [["batch"], ["batch"], ["batch"]]
 
 
 def test_inferred_with_keyword_inputs_and_tuple_outputs():

@@ -80,6 +80,58 @@ def test_embedding_max_norm_is_refused():
         trainer.train_step(*token_batches(1)[0])
 
 
+class Bagger(nn.Module):
+    """nn.EmbeddingBag -> tanh -> Linear: a bag of words classifier."""
+
+    def __init__(self, **bag):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(20, 8, **bag)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, tokens, offsets=None, per_sample_weights=None):
+        return self.head(torch.tanh(self.bag(tokens, offsets, per_sample_weights=per_sample_weights)))
+
+
+def bag_batches(weighted, count=3, seed=0):
+    """Bags of one length as a 2-D batch; or, ``weighted``, bags of 0-5 tokens concatenated, with
+    their offsets (the total length last) and a weight per token."""
+    generator = torch.Generator().manual_seed(seed)
+    result = []
+    for index in range(count):
+        labels = torch.randint(0, 4, (3 + index,), generator=generator)
+        if not weighted:
+            tokens = torch.randint(0, 20, (3 + index, 5), generator=generator)
+            tokens[0, :2] = tokens[1] = 0  # padding: a bag partly, a bag wholly of padding_idx
+            result.append((tokens, labels))
+            continue
+        lengths = torch.randint(0, 6, (3 + index,), generator=generator)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        tokens = torch.randint(0, 20, (int(lengths.sum()),), generator=generator)
+        result.append((tokens, offsets, torch.randn(tokens.shape, generator=generator), labels))
+    return result
+
+
+@pytest.mark.parametrize("bag, weighted", [({"mode": "max", "padding_idx": 0}, False), ({"mode": "mean", "padding_idx": 0}, False),
+                                          ({"mode": "sum", "include_last_offset": True}, True)],
+                         ids=["max, padding_idx, 2-D", "mean, padding_idx, 2-D", "sum, per_sample_weights, include_last_offset"])  # fmt: skip
+def test_embedding_bag_trains_as_torch(bag, weighted):
+    """The exporter writes nn.EmbeddingBag as a Loop over the bags, which onnxruntime-training cannot
+    differentiate; orttrainer's symbolic gathers the bags instead (symbolics.embedding_bag)."""
+    torch.manual_seed(0)
+    run_parity(Bagger(**bag), bag_batches(weighted), optim.SGDConfig(lr=0.5), lambda p: torch.optim.SGD(p, lr=0.5),
+               loss_fn=F.cross_entropy)  # fmt: skip
+
+
+@pytest.mark.parametrize("setting, message", [("scale_grad_by_freq", r"nn\.EmbeddingBag 'bag' with scale_grad_by_freq=True"),
+                                              ("max_norm", r"module 'bag' \(EmbeddingBag\) has max_norm=1\.0")])  # fmt: skip
+def test_embedding_bag_settings_that_do_not_train_are_refused(setting, message):
+    model = Bagger(**{setting: True if setting == "scale_grad_by_freq" else 1.0})
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
+    with pytest.raises(ExportError, match=message):
+        trainer.train_step(*bag_batches(weighted=False, count=1)[0])
+    assert trainer._training_session is None
+
+
 @pytest.mark.parametrize("style", ["parametrization", "hook"])
 def test_spectral_norm_is_refused_naming_the_module(style):
     """Its power iteration updates u and v in place at every training forward; the exporter failed on it

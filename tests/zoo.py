@@ -138,6 +138,19 @@ class RecurrentClassifier(nn.Module):
         return self.head(states[torch.arange(tokens.shape[0]), lengths - 1])
 
 
+class BagOfWordsClassifier(nn.Module):
+    """The PyTorch text-classification tutorial's model: nn.EmbeddingBag (the mean of each text's
+    token embeddings; the texts concatenated, ``offsets`` marking where each starts) + a linear head."""
+
+    def __init__(self, classes=CLASSES, width=16):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(VOCAB, width, mode="mean")
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, text, offsets):
+        return self.head(self.bag(text, offsets))
+
+
 # ------------------------------------------------------------------ batches
 def image_batch(batch, size=16, generator=None):
     """(images [batch, 3, size, size], class per image)."""
@@ -171,6 +184,15 @@ def padded_token_batch(batch, longest, generator=None):
     lengths = _lengths(batch, longest, generator)
     tokens, _ = _padded_tokens(lengths, 0, generator)
     return tokens, lengths, torch.randint(0, CLASSES, (batch,), generator=generator)
+
+
+def concatenated_text_batch(batch, longest, generator=None):
+    """(the token ids of ``batch`` texts of lengths 2..longest in one row, where each text starts,
+    class per text) for BagOfWordsClassifier: a batch's length depends on its values."""
+    lengths = _lengths(batch, longest, generator)
+    text = torch.randint(3, VOCAB, (int(lengths.sum()),), generator=generator)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
+    return text, offsets, torch.randint(0, CLASSES, (batch,), generator=generator)
 
 
 # ------------------------------------------------------------------ Hugging Face
@@ -308,6 +330,7 @@ TORCH_MODELS = {
     "unet-conv-transpose-batchnorm": (UNet, segmentation_batch, "images"),
     "unet-bilinear-reflect-pad-batchnorm": (functools.partial(UNet, bilinear=True), segmentation_batch, "images"),
     "lstm-over-padded-batches-of-changing-length": (RecurrentClassifier, padded_token_batch, "tokens"),
+    "embedding-bag-over-texts-of-changing-length": (BagOfWordsClassifier, concatenated_text_batch, "tokens"),
 }
 HUGGING_FACE_MODELS = {
     "bert-masked-lm": (bert_masked_lm, masked_lm_batch, "tokens"),
