@@ -197,6 +197,7 @@ CASES = [
     Case("ConvTranspose2d", lambda: Images(nn.ConvTranspose2d(4, 4, 2, stride=2)), shape=(4, 2, 8, 8)),
     Case("BatchNorm1d", lambda: Wrapped(nn.BatchNorm1d(8))),
     Case("LayerNorm", lambda: Wrapped(nn.LayerNorm(8))),
+    Case("RMSNorm", lambda: Wrapped(nn.RMSNorm(8))),
     Case("GroupNorm", lambda: Images(nn.GroupNorm(2, 4)), shape=(4, 2, 8, 8)),
     Case("InstanceNorm2d (affine)", lambda: Images(nn.InstanceNorm2d(4, affine=True)), shape=(4, 2, 8, 8)),
     Case("LocalResponseNorm", lambda: Images(nn.LocalResponseNorm(2)), shape=(4, 2, 8, 8)),

@@ -13,7 +13,8 @@ so that they and their gradients work on pooled tensors. Only CPU float32 traini
 are rewritten: other providers have fast kernels of their own.
 
 ``use_exact_cpu_kernels`` (also CPU float32 graphs) replaces kernels whose values differ from
-torch's beyond rounding (docs/stack_facts.md, "Kernels that differ from torch"): the Sigmoid.
+torch's beyond rounding (docs/stack_facts.md, "Kernels that differ from torch"): the Sigmoid, and
+the Sqrt at +inf.
 """
 
 import math
@@ -210,7 +211,16 @@ def exact_sigmoid(build: NodeBuilder):
     build.op("Reciprocal", [denominator], build.node.output[0])
 
 
-EXACT_CPU_KERNELS = {"Sigmoid": exact_sigmoid}
+def exact_sqrt(build: NodeBuilder):
+    """Sqrt with inf at +inf, as torch's. ONNX Runtime's CPU kernel returns NaN for +inf in its
+    vectorised blocks of 4 and 8 values (inf only in the scalar tail), so an RMSNorm whose
+    mean square overflows scales by NaN instead of 0 (docs/stack_facts.md). The gradient was
+    built before this replacement and reads the output: 0.5 * dy / inf = 0, as in torch."""
+    x = build.node.input[0]
+    build.op("Where", [build.op("IsInf", [x], detect_negative=0), x, build.op("Sqrt", [x])], build.node.output[0])
+
+
+EXACT_CPU_KERNELS = {"Sigmoid": exact_sigmoid, "Sqrt": exact_sqrt}
 
 
 def pool_before_relu(model: onnx.ModelProto) -> int:

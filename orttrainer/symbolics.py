@@ -329,6 +329,46 @@ def embedding(g, weight, indices, padding_idx, scale_grad_by_freq, sparse):
     return g.op("Gather", weight, marked)
 
 
+@symbolic_helper.parse_args("v", "is", "v", "v")
+def rms_norm(g, x, normalized_shape, weight, eps):
+    """torch's rms_norm (nn.RMSNorm), which the exporter refuses: x * rsqrt(mean(x * x) + eps) * weight
+    over the last ``len(normalized_shape)`` dimensions, eps the dtype's machine epsilon when None, as
+    torch's CPU composite computes it. x * rsqrt as x / sqrt: ONNX has no Rsqrt, and ONNX Runtime's
+    vectorized Reciprocal gives NaN at inf (x * x overflowing), where torch's scale is 0."""
+    build = _ExportGraph(g)
+    scalar_type = _type_utils.JitScalarType.from_value(x)
+    dtype = torch.empty(0, dtype=scalar_type.dtype()).numpy().dtype
+    eps = torch.finfo(scalar_type.dtype()).eps if symbolic_helper._is_none(eps) else symbolic_helper._get_const(eps, "f", "eps")
+    axes = list(range(-len(normalized_shape), 0))
+    mean_square = build.reduce("ReduceMean", build.op("Mul", [x, x]), axes, 1)
+    root = build.op("Sqrt", [build.op("Add", [mean_square, build.const(eps, dtype)])])
+    normalized = build.op("Div", [x, root])
+    return normalized if symbolic_helper._is_none(weight) else build.op("Mul", [normalized, weight])
+
+
+@symbolic_helper.parse_args("v", "f", "b")
+def feature_dropout(g, x, p, train):
+    """torch's channel dropout (nn.Dropout1d/2d/3d) in training, which the exporter refuses: a
+    Dropout of ones shaped [N, C, 1, ...] (each channel kept with probability 1 - p and scaled
+    by 1 / (1 - p)) times x. ONNX Runtime draws the mask, as it does for nn.Dropout; the trainer
+    turns it off for the first-step check like every Dropout."""
+    if not train or p == 0:
+        return x
+    if p == 1:
+        return g.op("Mul", x, _constant(g, 0.0))  # torch: input * 0
+    rank = symbolic_helper._get_tensor_rank(x)
+    if rank is None or rank < 2:
+        raise ValueError(f"channel dropout in module '{_module_scope(g)}' needs an input of known rank >= 2 "
+                         "(batch, channels, ...)")  # fmt: skip
+    build = _ExportGraph(g)
+    per_channel = build.op("Concat", [build.op("Slice", [build.op("Shape", [x]), build.const([0], np.int64), build.const([2], np.int64)]),
+                                      build.const([1] * (rank - 2), np.int64)], axis=0)  # fmt: skip
+    dtype = _type_utils.JitScalarType.from_value(x).dtype()
+    ones = g.op("ConstantOfShape", per_channel, value_t=torch.ones(1, dtype=dtype))
+    mask = g.op("Dropout", ones, _constant(g, p), g.op("Constant", value_t=torch.tensor(True)))
+    return g.op("Mul", x, mask)
+
+
 _BAG_MODES = ("sum", "mean", "max")
 
 
@@ -448,6 +488,8 @@ _SYMBOLICS = {
     "index": index,
     "embedding": embedding,
     "embedding_bag": embedding_bag,
+    "rms_norm": rms_norm,
+    "feature_dropout": feature_dropout,
     "softplus": softplus,
     "max": _extreme("ReduceMax", symbolic_helper._max_helper),
     "min": _extreme("ReduceMin", symbolic_helper._min_helper),

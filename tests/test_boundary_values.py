@@ -466,6 +466,29 @@ def test_bilinear_with_size_one_dimensions():
     check_against_torch(exported_model(function, values, upstream, list(values)), function, values, list(values), upstream)
 
 
+@pytest.mark.parametrize("eps", [1e-6, float(np.finfo(np.float32).eps)])
+def test_rms_norm(eps):
+    """torch's rms_norm (nn.RMSNorm), which the exporter refuses (symbolics.rms_norm), over rows of
+    edge values: zeros, tiny, huge (x * x overflows in float32, as in torch's float32 composite), inf, NaN.
+    In the row with 3e38 the small entries' gradients are ~2e-38 in float64, NaN in torch's float32
+    and 0 here: the floor allows that 0."""
+    rows = [[0.0, 0.0, 0.0, 0.0], [1e-30, -1e-30, 1e-40, 0.0], [1.0, -2.0, 3.0, 0.5], [1e30, -1e30, 1.0, 0.0],
+            [3e38, 1.0, -1.0, 2.0], [np.inf, 1.0, 0.0, -1.0], [np.nan, 1.0, 2.0, 3.0], [1e19, 1e19, -1e19, 1.0]]
+    values = {"x": np.array(rows, np.float32), "weight": np.array([1.0, -0.5, 2.0, 0.0], np.float32)}
+    function = lambda x, weight: F.rms_norm(x, (4,), weight, eps)  # noqa: E731
+    upstream = upstream_like(values["x"].shape)
+    check_against_torch(exported_model(function, values, upstream, ["x", "weight"]), function, values, ["x", "weight"], upstream,
+                        floor=1e-37)  # fmt: skip
+
+
+def test_sqrt_of_inf_is_inf():
+    """ONNX Runtime's CPU Sqrt gives NaN for +inf in its vectorised blocks (cpu_kernels.exact_sqrt).
+    Not -0: ONNX Runtime's Sqrt (and Where) give +0 there, so its gradient is +inf where torch's is -inf."""
+    x = np.array([np.inf, 4.0, np.inf, 0.0, 3e38, 1e-30, -1.0, np.nan, np.inf, 2.0, 1.0, 9.0, np.inf, 16.0, 25.0, 0.5], np.float32)
+    train = _unary_case("Sqrt", {}, torch.sqrt, x, floor=0.0)
+    assert "IsInf" in op_types(train), "the Sqrt was not replaced"
+
+
 def _bag_weight():
     """Embedding rows of edge values, each row a rotation of them (a bag adds or compares inf with
     -inf, NaN with numbers, huge with huge); row 5 repeats row 1 (ties); row 6 is all -inf."""

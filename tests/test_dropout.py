@@ -2,6 +2,7 @@
 
 import copy
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -141,3 +142,38 @@ def test_dropout_with_p_zero_leaves_no_dropout_node_and_trains_like_torch(tmp_pa
     trainer.train_step(*batches[0])
     kinds = sorted(node.op_type for node in onnx.load(path).graph.node if "Dropout" in node.op_type)
     assert kinds == ["Dropout", "DropoutGrad"]
+
+
+@pytest.mark.parametrize("dropout, shape", [(nn.Dropout1d, (6, 8, 5)), (nn.Dropout2d, (6, 8, 5, 5)), (nn.Dropout3d, (6, 8, 3, 3, 3))])
+def test_channel_dropout_zeroes_whole_channels_and_trains_through_the_rest(dropout, shape):
+    """nn.Dropout1d/2d/3d (the exporter refuses their training mode; symbolics.feature_dropout): each
+    channel of each sample is 0 or the undropped value times 2 (p = 0.5); the weights' update is
+    torch's for that same mask; masks change between steps; eval_step has no dropout."""
+    torch.manual_seed(0)
+    convolution = {3: nn.Conv1d, 4: nn.Conv2d, 5: nn.Conv3d}[len(shape)]
+    model = nn.Sequential(convolution(shape[1], 8, 1), dropout(0.5))
+    reference = copy.deepcopy(model)
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.mse_loss, options=cpu_options())
+    generator = torch.Generator().manual_seed(3)
+    inputs, target = torch.randn(shape, generator=generator), torch.randn(shape[0], 8, *shape[2:], generator=generator)
+    with torch.no_grad():
+        undropped = reference[0](inputs)
+    loss, output = trainer.train_step(inputs, target)
+    channels = output.flatten(2).abs().amax(2)
+    kept = channels > 0
+    assert kept.any() and not kept.all(), f"p = 0.5 kept {int(kept.sum())} of {kept.numel()} channels"
+    mask = kept.float().view(*kept.shape, *[1] * (len(shape) - 2)) * 2
+    torch.testing.assert_close(output, undropped * mask)
+
+    expected_loss = F.mse_loss(reference[0](inputs) * mask, target)
+    expected_loss.backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    torch.testing.assert_close(loss, expected_loss.detach())
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(trainer.state_dict(pytorch_format=True)[name], tensor, atol=1e-6, rtol=1e-5)
+
+    second = trainer.train_step(inputs, target)[1].flatten(2).abs().amax(2) > 0
+    assert not torch.equal(second, kept), "the channel mask did not change between steps"
+    reference.load_state_dict(trainer.state_dict(pytorch_format=True))  # after the second step
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.eval_step(inputs, target)[1], reference.eval()(inputs), atol=1e-5, rtol=1e-5)

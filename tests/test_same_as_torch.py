@@ -234,6 +234,35 @@ def test_batchnorm_over_one_value_per_channel_is_refused_and_changes_nothing():
     assert torch.isfinite(trainer.eval_step(torch.randn(3, 6), torch.randint(0, 2, (3,)))[1]).all()
 
 
+# ------------------------------------------------------------------ layers the exporter refuses
+class RMSNormBlock(nn.Module):
+    """A pre-norm decoder block as modern plain-torch code writes it: nn.RMSNorm, causal
+    scaled-dot-product attention, a SiLU-gated MLP, residuals; a tied-free LM head."""
+
+    def __init__(self, vocab=20, width=16, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.tokens = nn.Embedding(vocab, width)
+        self.norm1, self.norm2, self.final = nn.RMSNorm(width), nn.RMSNorm(width, eps=1e-6), nn.RMSNorm(width)
+        self.qkv, self.out = nn.Linear(width, 3 * width, bias=False), nn.Linear(width, width, bias=False)
+        self.gate, self.up, self.down = nn.Linear(width, 32, bias=False), nn.Linear(width, 32, bias=False), nn.Linear(32, width, bias=False)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.tokens(tokens)
+        q, k, v = self.qkv(self.norm1(x)).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
+        x = x + self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2))
+        h = self.norm2(x)
+        x = x + self.down(F.silu(self.gate(h)) * self.up(h))
+        return self.head(self.final(x))
+
+
+def test_rms_norm_model_trains_as_torch():
+    """nn.RMSNorm, which the exporter refuses, is exported as torch's formula (symbolics.rms_norm)."""
+    torch.manual_seed(0)
+    run_parity(RMSNormBlock(), token_batches(), optim.SGDConfig(lr=0.5), lambda p: torch.optim.SGD(p, lr=0.5), loss_fn=tagger_loss)
+
+
 # ------------------------------------------------------------------ what the graph cannot hold
 class DataDependentBranch(nn.Module):
     def __init__(self):
