@@ -238,6 +238,9 @@ CASES = [
     _loss_case("MultiLabelSoftMarginLoss", F.multilabel_soft_margin_loss, lambda o: torch.randint(0, 2, o.shape).float()),
     _loss_case("PoissonNLLLoss", F.poisson_nll_loss, lambda o: torch.rand(o.shape) * 3),
     _loss_case("HingeEmbeddingLoss", F.hinge_embedding_loss, _signs),
+    _loss_case("MarginRankingLoss", lambda out, y: F.margin_ranking_loss(out[:, 0], out[:, 1], y[:, 0]), _signs),
+    _loss_case("CosineEmbeddingLoss", lambda out, y: F.cosine_embedding_loss(out[:, :2], out[:, 2:], y[:, 0]), _signs),
+    _loss_case("TripletMarginLoss", lambda out, y: F.triplet_margin_loss(out, y, y.flip(0)), None),
 ]
 
 

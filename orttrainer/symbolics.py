@@ -369,6 +369,91 @@ def feature_dropout(g, x, p, train):
     return g.op("Mul", x, mask)
 
 
+def _vector_norm(g, x, order, dim, keepdim):
+    """torch.linalg.vector_norm(x, order, dim, keepdim), as torch's symbolic writes it (ReduceL1,
+    ReduceL2, ... which rewrites.py trains as torch does)."""
+    return symbolic_helper._linalg_vector_norm_helper(g, x, order, [dim], keepdim, None)
+
+
+@symbolic_helper.parse_args("v", "v", "f", "f", "b")
+def pairwise_distance(g, x1, x2, p, eps, keepdim):
+    """torch's pairwise_distance (nn.PairwiseDistance, also inside triplet losses): the p-norm of
+    x1 - x2 + eps over the last dimension. torch's own symbolic computes
+    (sum of (x1 - x2)^p)^(1 / (p + eps)): no absolute value (p = 1 summed signed differences),
+    and eps in the exponent (identical rows gave 0 and a NaN gradient where torch gives
+    eps * sqrt(size) and a finite one)."""
+    return _vector_norm(g, g.op("Add", g.op("Sub", x1, x2), _constant(g, eps)), p, -1, keepdim)
+
+
+@symbolic_helper.parse_args("v", "v", "i", "f")
+def cosine_similarity(g, x1, x2, dim, eps):
+    """torch's cosine_similarity: sum over ``dim`` of (x1 / |x1|) * (x2 / |x2|), each norm
+    clamped to at least eps for the value only (torch clamps it in place under no_grad, so the
+    gradient is the unclamped norm's). torch's own symbolic divides sum(x1 * x2) by
+    max(sqrt(|x1|^2 |x2|^2), eps): a NaN gradient for a zero vector (torch: finite) and an
+    overflow from |x| ~ 1e19 on (torch normalises first)."""
+    build = _ExportGraph(g)
+
+    def normalised(x):
+        norm = _vector_norm(g, x, 2.0, dim, True)
+        clamped = build.op("Add", [norm, rewrites.detached(build, build.op("Sub", [build.op("Max", [norm, build.const(eps)]), norm]))])
+        return build.op("Div", [x, clamped])
+
+    return build.reduce("ReduceSum", build.op("Mul", [normalised(x1), normalised(x2)]), [dim], 0)
+
+
+def _minimum(build, a, b):
+    """torch.min(a, b) elementwise: NaN if either is; at a tie each gets half the gradient."""
+    smaller = build.op("Where", [build.op("IsNaN", [b]), b, build.op("Where", [build.op("Less", [b, a]), b, a])])
+    halves = build.op("Add", [build.op("Mul", [a, build.const(0.5)]), build.op("Mul", [b, build.const(0.5)])])
+    return build.op("Where", [build.op("Equal", [a, b]), halves, smaller])
+
+
+@symbolic_helper.parse_args("v", "v", "v", "f", "f", "f", "b", "i")
+def triplet_margin_loss(g, anchor, positive, negative, margin, p, eps, swap, reduction):
+    """torch's clamp_min(margin + d(anchor, positive) - d(anchor, negative), 0), d its
+    pairwise_distance (with ``swap``, d(anchor, negative) is the smaller of it and
+    d(positive, negative)). The exporter has no symbolic for it."""
+    build = _ExportGraph(g)
+    positive_distance = pairwise_distance(g, anchor, positive, p, eps, False)
+    negative_distance = pairwise_distance(g, anchor, negative, p, eps, False)
+    if swap:
+        negative_distance = _minimum(build, negative_distance, pairwise_distance(g, positive, negative, p, eps, False))
+    hinge = build.op("Sub", [build.op("Add", [build.const(margin), positive_distance]), negative_distance])
+    return _reduce(g, _clamp_min(build, hinge, 0.0), reduction)
+
+
+@symbolic_helper.parse_args("v", "v", "v", "f", "i")
+def margin_ranking_loss(g, x1, x2, target, margin, reduction):
+    """torch's clamp_min(-target * (x1 - x2) + margin, 0). The exporter has no symbolic for it."""
+    build = _ExportGraph(g)
+    hinge = build.op("Add", [build.op("Mul", [build.op("Neg", [target]), build.op("Sub", [x1, x2])]), build.const(margin)])
+    return _reduce(g, _clamp_min(build, hinge, 0.0), reduction)
+
+
+_COSINE_EPSILON = 1e-12  # ATen's cosine_embedding_loss
+
+
+@symbolic_helper.parse_args("v", "v", "v", "f", "i")
+def cosine_embedding_loss(g, x1, x2, target, margin, reduction):
+    """torch's formula: cos = sum(x1 x2) / sqrt((sum(x1^2) + 1e-12) (sum(x2^2) + 1e-12)) over the
+    last dimension of a batch (the only one of a vector); 1 - cos where target is 1,
+    clamp_min(cos - margin, 0) where it is -1, 0 elsewhere. The exporter has no symbolic for it."""
+    build = _ExportGraph(g)
+    dim = 1 if symbolic_helper._get_tensor_rank(x1) == 2 else 0
+
+    def summed_product(a, b):
+        return build.reduce("ReduceSum", build.op("Mul", [a, b]), [dim], 0)
+
+    squares = [build.op("Add", [summed_product(x, x), build.const(_COSINE_EPSILON)]) for x in (x1, x2)]
+    cosine = build.op("Div", [summed_product(x1, x2), build.op("Sqrt", [build.op("Mul", squares)])])
+    target = build.op("Cast", [target], to=onnx.TensorProto.FLOAT)
+    similar = rewrites.where(build, build.op("Equal", [target, build.const(1.0)]), build.op("Sub", [build.const(1.0), cosine]), 0.0)
+    apart = _clamp_min(build, build.op("Sub", [cosine, build.const(margin)]), 0.0)
+    dissimilar = rewrites.where(build, build.op("Equal", [target, build.const(-1.0)]), apart, 0.0)
+    return _reduce(g, build.op("Add", [similar, dissimilar]), reduction)
+
+
 _BAG_MODES = ("sum", "mean", "max")
 
 
@@ -490,6 +575,8 @@ _SYMBOLICS = {
     "embedding_bag": embedding_bag,
     "rms_norm": rms_norm,
     "feature_dropout": feature_dropout,
+    "pairwise_distance": pairwise_distance,
+    "cosine_similarity": cosine_similarity,
     "softplus": softplus,
     "max": _extreme("ReduceMax", symbolic_helper._max_helper),
     "min": _extreme("ReduceMin", symbolic_helper._min_helper),
@@ -505,6 +592,9 @@ _SYMBOLICS = {
     "soft_margin_loss": soft_margin_loss,
     "poisson_nll_loss": poisson_nll_loss,
     "hinge_embedding_loss": hinge_embedding_loss,
+    "triplet_margin_loss": triplet_margin_loss,
+    "margin_ranking_loss": margin_ranking_loss,
+    "cosine_embedding_loss": cosine_embedding_loss,
     "bilinear": bilinear,
     "cross_entropy_loss": cross_entropy_loss,
 }

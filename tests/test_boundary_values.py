@@ -489,6 +489,75 @@ def test_sqrt_of_inf_is_inf():
     assert "IsInf" in op_types(train), "the Sqrt was not replaced"
 
 
+# pairs of rows: identical, zero and not, opposite, huge, tiny (norm below eps), inf, NaN
+_ROW_PAIRS = (np.array([[1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, -2.0, 0.5, 3.0], [1e20, 1e20, 1.0, 1.0],
+                        [1e-30, -1e-30, 0.0, 1e-30], [np.inf, 1.0, 0.0, 1.0], [np.nan, 1.0, 2.0, 3.0], [1.0, 1.0, 1.0, 1.0]], np.float32),
+              np.array([[1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 0.0, 0.0], [-1.0, 2.0, -0.5, -3.0], [1e20, 1.0, 1e20, 1.0],
+                        [2e-30, 1e-30, 1e-30, 0.0], [1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0], [3e38, -3e38, 1.0, 0.0]], np.float32))  # fmt: skip
+
+
+@pytest.mark.parametrize("p, ulps", [(1.0, ULPS), (2.0, ULPS), (3.0, 32), (np.inf, ULPS)])
+def test_pairwise_distance(p, ulps):
+    """symbolics.pairwise_distance: the p-norm of x1 - x2 + eps, as torch's (its own symbolic summed
+    signed differences for p = 1 and gave a NaN gradient for identical rows). Known differences left
+    out: for p = 1 and inf, the gradient of the other elements of a row whose difference holds a NaN
+    (torch: 0, here NaN); for p = 3 (Pow, ReduceSum, Pow), ONNX Runtime's Pow is up to ~12 spacings
+    off at the identical rows' 1e-6 differences."""
+    kept = slice(None) if p in (2.0, 3.0) else [row for row in range(len(_ROW_PAIRS[0])) if row != 7]
+    values = {"a": _ROW_PAIRS[0][kept], "b": _ROW_PAIRS[1][kept]}
+    function = lambda a, b: F.pairwise_distance(a, b, p=p)  # noqa: E731
+    upstream = upstream_like((len(values["a"]),))
+    check_against_torch(exported_model(function, values, upstream, ["a", "b"]), function, values, ["a", "b"], upstream, ulps)
+
+
+def test_cosine_similarity():
+    """symbolics.cosine_similarity: each row over its norm clamped to eps for the value only, as torch's
+    (its own symbolic gave a NaN gradient for a zero vector and overflowed from |x| ~ 1e19). Gradients
+    that cancel to 0 (identical or opposite rows) keep rounding noise of ~1e-7 of their terms, in torch
+    too: hence the floor."""
+    values = {"a": _ROW_PAIRS[0], "b": _ROW_PAIRS[1]}
+    function = lambda a, b: F.cosine_similarity(a, b, dim=1)  # noqa: E731
+    upstream = upstream_like((len(_ROW_PAIRS[0]),))
+    check_against_torch(exported_model(function, values, upstream, ["a", "b"]), function, values, ["a", "b"], upstream, floor=1e-6)
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_triplet_margin_loss(swap):
+    """symbolics.triplet_margin_loss over the row pairs above as anchor and positive, the positive's
+    rows reversed as negative (one equal to its anchor): with ``swap``, the identical anchor and
+    positive of row 0 tie the two negative distances (half the gradient each, as in torch). Row 3's
+    two distances' gradients cancel to ~1e-7 (rounding noise, in torch's float32 too): the floor."""
+    anchor, positive = _ROW_PAIRS
+    values = {"anchor": anchor, "positive": positive, "negative": positive[::-1].copy()}
+    values["negative"][0] = [1.0, 2.0, 3.0, 4.5]  # a tie inside the margin, so the tied distances get gradients
+    values["negative"][1] = anchor[1]
+    function = lambda anchor, positive, negative: F.triplet_margin_loss(  # noqa: E731
+        anchor, positive, negative, margin=1.0, swap=swap, reduction="none")
+    upstream = upstream_like((len(anchor),))
+    trainable = list(values)
+    check_against_torch(exported_model(function, values, upstream, trainable), function, values, trainable, upstream, floor=1e-6)
+
+
+def test_margin_ranking_loss():
+    x1 = edge_values(1.0, 0.5)
+    values = {"x1": x1, "x2": np.roll(x1, 3), "y": np.where(np.arange(x1.size) % 3 == 0, -1.0, 1.0).astype(np.float32)}
+    values["x2"][-1] = x1[-1] - 0.5  # y = 1, margin 0.5: the hinge exactly at 0
+    values["y"][-1] = 1.0
+    function = lambda x1, x2, y: F.margin_ranking_loss(x1, x2, y, margin=0.5, reduction="none")  # noqa: E731
+    upstream = upstream_like(x1.shape)
+    check_against_torch(exported_model(function, values, upstream, ["x1", "x2"]), function, values, ["x1", "x2"], upstream)
+
+
+def test_cosine_embedding_loss():
+    """torch's formula with its 1e-12 in the denominator: zero vectors, huge, tiny, inf and NaN rows,
+    targets 1 and -1 (margin 0.2: cos - margin at and around the kink)."""
+    a, b = _ROW_PAIRS
+    values = {"a": a, "b": b, "y": np.array([1, -1, 1, -1, 1, -1, 1, -1, -1], np.float32)}
+    function = lambda a, b, y: F.cosine_embedding_loss(a, b, y, margin=0.2, reduction="none")  # noqa: E731
+    upstream = upstream_like((len(a),))
+    check_against_torch(exported_model(function, values, upstream, ["a", "b"]), function, values, ["a", "b"], upstream, floor=1e-6)
+
+
 def _bag_weight():
     """Embedding rows of edge values, each row a rotation of them (a bag adds or compares inf with
     -inf, NaN with numbers, huge with huge); row 5 repeats row 1 (ties); row 6 is all -inf."""
