@@ -225,6 +225,7 @@ CASES = [
     Case("torch.logsumexp", lambda: TensorFunction(lambda h: torch.logsumexp(h, dim=2))),
     Case("torch.linalg.vector_norm", lambda: TensorFunction(lambda h: torch.linalg.vector_norm(h, dim=1))),
     Case("torch.flip", lambda: TensorFunction(lambda h: torch.flip(h, dims=[2]) * h)),
+    Case("torch.atan2", lambda: TensorFunction(lambda h: torch.atan2(h, torch.flip(h, dims=[2]) + 2))),
     _loss_case("MSELoss", F.mse_loss, None),
     _loss_case("L1Loss", F.l1_loss, None),
     _loss_case("SmoothL1Loss", F.smooth_l1_loss, None),

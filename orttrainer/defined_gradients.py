@@ -1,4 +1,5 @@
-"""Gradients handed to onnxruntime-training's gradient builder for ops it has none for.
+"""Gradients handed to onnxruntime-training's gradient builder for ops it has none for
+(HardSwish, and the inverse trigonometric Atan, Asin, Acos).
 
 The builder accepts, per op type, a gradient definition: nodes that read the forward node's
 inputs ``I(i)`` and incoming gradients ``GO(i)`` and write the gradients of its inputs
@@ -49,7 +50,27 @@ _HARD_SWISH_GRADIENT = [
     ("Mul", ["GO(0)", "slope"], ["GI(0)"]),
 ]
 
-GRADIENT_DEFINITIONS = {"HardSwish": _HARD_SWISH_GRADIENT}
+# torch's: atan grad / (x * x + 1); asin grad * rsqrt(1 - x * x), acos its negative (rsqrt as 1 / sqrt)
+_ATAN_GRADIENT = [
+    _constant("one", 1.0),
+    ("Mul", ["I(0)", "I(0)"], ["square"]),
+    ("Add", ["square", "one"], ["denominator"]),
+    ("Div", ["GO(0)", "denominator"], ["GI(0)"]),
+]
+
+
+def _arc_sine_gradient(sign: str) -> list:
+    return [
+        _constant("one", 1.0),
+        ("Mul", ["I(0)", "I(0)"], ["square"]),
+        ("Sub", ["one", "square"], ["cosine_squared"]),
+        ("Sqrt", ["cosine_squared"], ["cosine"]),
+        ("Div", ["GO(0)", "cosine"], ["GI(0)"] if sign == "+" else ["positive"]),
+    ] + ([] if sign == "+" else [("Neg", ["positive"], ["GI(0)"])])
+
+
+GRADIENT_DEFINITIONS = {"HardSwish": _HARD_SWISH_GRADIENT, "Atan": _ATAN_GRADIENT, "Asin": _arc_sine_gradient("+"),
+                        "Acos": _arc_sine_gradient("-")}  # fmt: skip
 
 _registered = set()
 

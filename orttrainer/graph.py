@@ -37,7 +37,7 @@ _OUTPUTS_NEEDED_BY_GRADIENT = {
 OPS_WITHOUT_GRADIENT = frozenset(
     """Softplus Elu Selu Celu PRelu HardSigmoid Mish Softsign InstanceNormalization
     ReduceMax ReduceMin ReduceProd ReduceL1 ReduceLogSum ReduceSumSquare Sum Mean CumSum Einsum
-    Asin Acos Atan Sinh Cosh Asinh Acosh Atanh Floor Ceil Round Sign Mod GridSample
+    Sinh Cosh Asinh Acosh Atanh Floor Ceil Round Sign Mod GridSample
     DepthToSpace SpaceToDepth LpNormalization LRN RNN""".split()
 )
 

@@ -57,6 +57,23 @@ def test_unary_rewrite(op_type):
     assert op_type not in op_types(train), f"{op_type} was not rewritten"
 
 
+# ops given torch's gradient formula (defined_gradients.py): the forward stays one node
+_UNIT_INTERVAL = [0.0, -0.0, 1e-30, -1e-30, 0.5, -0.5, 0.99999994, -0.99999994, 1.0, -1.0, 2.0, -2.0, np.nan, np.inf,
+                  *np.linspace(-0.999, 0.999, 37)]  # fmt: skip
+DEFINED = {
+    "Atan": (torch.atan, edge_values(*spread(1e-8, 1e30), 1.8e19, 1e20)),
+    "Asin": (torch.asin, np.array(_UNIT_INTERVAL, np.float32)),  # gradient inf at ±1 and NaN outside, as torch's
+    "Acos": (torch.acos, np.array(_UNIT_INTERVAL, np.float32)),
+}
+
+
+@pytest.mark.parametrize("op_type", DEFINED)
+def test_defined_gradient(op_type):
+    function, x = DEFINED[op_type]
+    train = _unary_case(op_type, {}, function, x)
+    assert any(node.name.startswith(f"{op_type}_Grad/") for node in train.graph.node), f"{op_type}'s gradient is not the definition"
+
+
 @pytest.mark.parametrize("op_type", DOMAIN)
 def test_rewrite_on_its_domain(op_type):
     function, values = DOMAIN[op_type]
