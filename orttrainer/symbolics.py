@@ -51,6 +51,11 @@ class _ExportGraph(rewrites.OpEmitter):
         return self.g.op("Constant", value_t=torch.from_numpy(np.array(value, dtype=dtype)))
 
 
+def _numpy_dtype(value) -> np.dtype:
+    """The element type of an exported value, as numpy's (for constants of the same type)."""
+    return torch.empty(0, dtype=_type_utils.JitScalarType.from_value(value).dtype()).numpy().dtype
+
+
 def _clamp_min(build, x, low):
     """torch's clamp_min: gradient 1 from ``low`` on (at ``low`` too), 0 below; NaN stays NaN, gradient 0."""
     below = rewrites.where(build, build.op("Less", [x, build.const(low)]), low, float("nan"))
@@ -333,12 +338,9 @@ def embedding(g, weight, indices, padding_idx, scale_grad_by_freq, sparse):
 def rms_norm(g, x, normalized_shape, weight, eps):
     """torch's rms_norm (nn.RMSNorm), which the exporter refuses: x * rsqrt(mean(x * x) + eps) * weight
     over the last ``len(normalized_shape)`` dimensions, eps the dtype's machine epsilon when None, as
-    torch's CPU composite computes it. x * rsqrt as x / sqrt: ONNX has no Rsqrt, and ONNX Runtime's
-    vectorized Reciprocal gives NaN at inf (x * x overflowing), where torch's scale is 0."""
-    build = _ExportGraph(g)
-    scalar_type = _type_utils.JitScalarType.from_value(x)
-    dtype = torch.empty(0, dtype=scalar_type.dtype()).numpy().dtype
-    eps = torch.finfo(scalar_type.dtype()).eps if symbolic_helper._is_none(eps) else symbolic_helper._get_const(eps, "f", "eps")
+    torch's CPU composite computes it (x * rsqrt as x / sqrt: ONNX has no Rsqrt)."""
+    build, dtype = _ExportGraph(g), _numpy_dtype(x)
+    eps = np.finfo(dtype).eps if symbolic_helper._is_none(eps) else symbolic_helper._get_const(eps, "f", "eps")
     axes = list(range(-len(normalized_shape), 0))
     mean_square = build.reduce("ReduceMean", build.op("Mul", [x, x]), axes, 1)
     root = build.op("Sqrt", [build.op("Add", [mean_square, build.const(eps, dtype)])])
@@ -363,8 +365,7 @@ def feature_dropout(g, x, p, train):
     build = _ExportGraph(g)
     per_channel = build.op("Concat", [build.op("Slice", [build.op("Shape", [x]), build.const([0], np.int64), build.const([2], np.int64)]),
                                       build.const([1] * (rank - 2), np.int64)], axis=0)  # fmt: skip
-    dtype = _type_utils.JitScalarType.from_value(x).dtype()
-    ones = g.op("ConstantOfShape", per_channel, value_t=torch.ones(1, dtype=dtype))
+    ones = g.op("ConstantOfShape", per_channel, value_t=torch.from_numpy(np.ones(1, _numpy_dtype(x))))
     mask = g.op("Dropout", ones, _constant(g, p), g.op("Constant", value_t=torch.tensor(True)))
     return g.op("Mul", x, mask)
 
@@ -480,12 +481,11 @@ def embedding_bag(g, weight, indices, offsets, scale_grad_by_freq, mode, sparse,
     if scale_grad_by_freq:
         raise ValueError(f"nn.EmbeddingBag '{_module_scope(g)}' with scale_grad_by_freq=True: orttrainer does not "
                          "train it (only nn.Embedding's); set scale_grad_by_freq=False")  # fmt: skip
-    build, scalar_type = _ExportGraph(g), _type_utils.JitScalarType.from_value(weight)
-    dtype = torch.empty(0, dtype=scalar_type.dtype()).numpy().dtype
+    build, dtype = _ExportGraph(g), _numpy_dtype(weight)
     rows, valid, positions = _bags(build, weight, indices, offsets, include_last_offset, padding_idx)
     kept = build.unsqueeze(valid, [2])  # [bags, longest, 1]
     if not symbolic_helper._is_none(per_sample_weights):  # mode "sum" (torch refuses the others)
-        return _weighted_sum(build, rows, kept, positions, per_sample_weights, dtype, scalar_type.onnx_type()), None, None, None
+        return _weighted_sum(build, rows, kept, positions, per_sample_weights, dtype), None, None, None
     if _BAG_MODES[mode] == "max":
         empty = build.op("Equal", [build.reduce("ReduceMax", rewrites.mask(build, valid), [1], 1), build.const(0.0)])
         return build.op("Where", [empty, build.const(0, dtype), _first_running_max(build, rows, kept, dtype)]), None, None, None
@@ -518,7 +518,7 @@ def _bags(build, weight, indices, offsets, include_last_offset, padding_idx):
     return build.op("Gather", [weight, words]), valid, positions
 
 
-def _weighted_sum(build, rows, kept, positions, per_sample_weights, dtype, onnx_type):
+def _weighted_sum(build, rows, kept, positions, per_sample_weights, dtype):
     """[bags, dim]: each bag's sum of its embeddings times their per-sample weights, in float64.
     torch's kernel adds each product with a fused multiply-add, which does not overflow where
     the product alone would (2 * FLT_MAX next to -inf is -inf there); float64 products do not
@@ -528,7 +528,7 @@ def _weighted_sum(build, rows, kept, positions, per_sample_weights, dtype, onnx_
     weights = build.unsqueeze(build.op("Cast", [build.op("Gather", [padded, positions])], to=double), [2])
     products = build.op("Mul", [build.op("Cast", [rows], to=double), weights])
     total = build.reduce("ReduceSum", build.op("Where", [kept, products, build.const(0, np.float64)]), [1], 0)
-    return build.op("Cast", [total], to=onnx_type)
+    return build.op("Cast", [total], to=onnx.helper.np_dtype_to_tensor_dtype(dtype))
 
 
 def _first_running_max(build, rows, kept, dtype):
