@@ -370,6 +370,31 @@ def feature_dropout(g, x, p, train):
     return g.op("Mul", x, mask)
 
 
+@symbolic_helper.parse_args("v", "f", "f")
+def threshold(g, x, threshold, value):
+    """torch's threshold (nn.Threshold): ``value`` where x <= threshold, else x (NaN stays NaN and
+    gets the gradient, as in torch's kernel). The exporter refuses a non-zero threshold or value."""
+    if threshold == 0 and value == 0:
+        return g.op("Relu", x)
+    build = _ExportGraph(g)
+    return rewrites.where(build, build.op("LessOrEqual", [x, build.const(threshold, _numpy_dtype(x))]),
+                          build.const(value, _numpy_dtype(x)), x)  # fmt: skip
+
+
+@symbolic_helper.parse_args("v", "i")
+def channel_shuffle(g, x, groups):
+    """torch's channel_shuffle (nn.ChannelShuffle): channels viewed as [groups, C / groups],
+    transposed, flattened back. A permutation, so exact; the exporter has no symbolic for it."""
+    build = _ExportGraph(g)
+    shape = build.op("Shape", [x])
+    channels = build.op("Slice", [shape, build.const([1], np.int64), build.const([2], np.int64)])
+    grouped = build.op("Concat", [build.op("Slice", [shape, build.const([0], np.int64), build.const([1], np.int64)]),
+                                  build.const([groups], np.int64), build.op("Div", [channels, build.const([groups], np.int64)]),
+                                  build.const([-1], np.int64)], axis=0)  # fmt: skip
+    swapped = build.op("Transpose", [build.op("Reshape", [x, grouped])], perm=[0, 2, 1, 3])
+    return build.op("Reshape", [swapped, shape])
+
+
 def _vector_norm(g, x, order, dim, keepdim):
     """torch.linalg.vector_norm(x, order, dim, keepdim), as torch's symbolic writes it (ReduceL1,
     ReduceL2, ... which rewrites.py trains as torch does)."""
@@ -575,6 +600,8 @@ _SYMBOLICS = {
     "embedding_bag": embedding_bag,
     "rms_norm": rms_norm,
     "feature_dropout": feature_dropout,
+    "threshold": threshold,
+    "channel_shuffle": channel_shuffle,
     "pairwise_distance": pairwise_distance,
     "cosine_similarity": cosine_similarity,
     "softplus": softplus,

@@ -575,6 +575,26 @@ def test_cosine_embedding_loss():
     check_against_torch(exported_model(function, values, upstream, ["a", "b"]), function, values, ["a", "b"], upstream, floor=1e-6)
 
 
+@pytest.mark.parametrize("threshold, value", [(0.5, -2.0), (-1.0, 20.0), (0.0, 0.0)])
+def test_threshold(threshold, value):
+    """symbolics.threshold (nn.Threshold; the exporter refuses a non-zero threshold or value): value
+    where x <= threshold, at the threshold too, and no gradient there; NaN passes with its gradient."""
+    x = edge_values(threshold, np.nextafter(np.float32(threshold), np.float32(1)), np.nextafter(np.float32(threshold), np.float32(-1)))
+    values = {"x": x}
+    function = lambda x: F.threshold(x, threshold, value)  # noqa: E731
+    upstream = upstream_like(x.shape)
+    check_against_torch(exported_model(function, values, upstream, ["x"]), function, values, ["x"], upstream)
+
+
+def test_channel_shuffle():
+    """symbolics.channel_shuffle: torch's permutation of the channels, values (inf, NaN) and gradients."""
+    x = np.resize(edge_values(), (2, 6, 2, 2)).astype(np.float32)
+    values = {"x": x}
+    function = lambda x: F.channel_shuffle(x, 3)  # noqa: E731
+    upstream = upstream_like(x.shape)
+    check_against_torch(exported_model(function, values, upstream, ["x"]), function, values, ["x"], upstream)
+
+
 def _bag_weight():
     """Embedding rows of edge values, each row a rotation of them (a bag adds or compares inf with
     -inf, NaN with numbers, huge with huge); row 5 repeats row 1 (ties); row 6 is all -inf."""
