@@ -363,8 +363,8 @@ def feature_dropout(g, x, p, train):
         raise ValueError(f"channel dropout in module '{_module_scope(g)}' needs an input of known rank >= 2 "
                          "(batch, channels, ...)")  # fmt: skip
     build = _ExportGraph(g)
-    per_channel = build.op("Concat", [build.op("Slice", [build.op("Shape", [x]), build.const([0], np.int64), build.const([2], np.int64)]),
-                                      build.const([1] * (rank - 2), np.int64)], axis=0)  # fmt: skip
+    batch_and_channels = build.op("Slice", [build.op("Shape", [x]), build.const([0], np.int64), build.const([2], np.int64)])
+    per_channel = build.op("Concat", [batch_and_channels, build.const([1] * (rank - 2), np.int64)], axis=0)
     ones = g.op("ConstantOfShape", per_channel, value_t=torch.from_numpy(np.ones(1, _numpy_dtype(x))))
     mask = g.op("Dropout", ones, _constant(g, p), g.op("Constant", value_t=torch.tensor(True)))
     return g.op("Mul", x, mask)
@@ -422,7 +422,8 @@ def cosine_similarity(g, x1, x2, dim, eps):
 
     def normalised(x):
         norm = _vector_norm(g, x, 2.0, dim, True)
-        clamped = build.op("Add", [norm, rewrites.detached(build, build.op("Sub", [build.op("Max", [norm, build.const(eps)]), norm]))])
+        raised = build.op("Sub", [build.op("Max", [norm, build.const(eps)]), norm])  # what the clamp adds, 0 from eps on
+        clamped = build.op("Add", [norm, rewrites.detached(build, raised)])
         return build.op("Div", [x, clamped])
 
     return build.reduce("ReduceSum", build.op("Mul", [normalised(x1), normalised(x2)]), [dim], 0)
@@ -474,7 +475,8 @@ def cosine_embedding_loss(g, x1, x2, target, margin, reduction):
     squares = [build.op("Add", [summed_product(x, x), build.const(_COSINE_EPSILON)]) for x in (x1, x2)]
     cosine = build.op("Div", [summed_product(x1, x2), build.op("Sqrt", [build.op("Mul", squares)])])
     target = build.op("Cast", [target], to=onnx.TensorProto.FLOAT)
-    similar = rewrites.where(build, build.op("Equal", [target, build.const(1.0)]), build.op("Sub", [build.const(1.0), cosine]), 0.0)
+    distance = build.op("Sub", [build.const(1.0), cosine])
+    similar = rewrites.where(build, build.op("Equal", [target, build.const(1.0)]), distance, 0.0)
     apart = _clamp_min(build, build.op("Sub", [cosine, build.const(margin)]), 0.0)
     dissimilar = rewrites.where(build, build.op("Equal", [target, build.const(-1.0)]), apart, 0.0)
     return _reduce(g, build.op("Add", [similar, dissimilar]), reduction)
