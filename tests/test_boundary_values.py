@@ -436,6 +436,34 @@ def test_exported_loss(case):
     check_against_torch(model, function, values, ["x"], upstream)
 
 
+_LOGITS = edge_values(*spread(1e-3, 200), 17.0, -17.0, 88.0, 89.0, -88.0, -104.0, -110.0)
+
+
+@pytest.mark.parametrize("target, extra, floor", [(1.0, {}, 1e-9), (0.0, {}, 1e-9), (1.0, {"weight": 0.5}, 1e-9),
+                                                  (0.3, {}, 3e-7), (0.3, {"pos_weight": 2.0}, 3e-7)])  # fmt: skip
+def test_binary_cross_entropy_with_logits(target, extra, floor):
+    """symbolics.binary_cross_entropy_with_logits: torch's loss and gradient over logits from tiny to
+    FLT_MAX (the exporter's log(sigmoid) form was inf from |x| ~ 17-88 on, and 2.5% low at 17).
+    Left out: x = -inf with a target above 0, inf here (the limit) and NaN in torch (0 * -inf).
+    Floors: 1e-9 where the loss is e^x of x < -20, which torch's float32 rounds to 0 and its
+    float64 form cancels; 3e-7 for a soft target, whose gradient l sigmoid(x) - pos_weight t
+    cancels near x = 0 (torch's float32 is off from float64 by as much)."""
+    x = _LOGITS[~(np.isneginf(_LOGITS) & (target > 0))]
+    tensor = lambda value: torch.tensor(value, dtype=torch.float64)  # noqa: E731
+    values = {"x": x, "t": _targets(x, target)}
+    function = lambda x, t: F.binary_cross_entropy_with_logits(  # noqa: E731
+        x, t, reduction="none", **{key: tensor(value).to(x.dtype) for key, value in extra.items()})
+    upstream = upstream_like(x.shape)
+    check_against_torch(exported_model(function, values, upstream, ["x"]), function, values, ["x"], upstream, floor=floor)
+
+
+def test_log_sigmoid():
+    """symbolics.log_sigmoid: x, not -inf, far below 0 (the exporter wrote Log(Sigmoid(x)))."""
+    values = {"x": _LOGITS}
+    upstream = upstream_like(_LOGITS.shape)
+    check_against_torch(exported_model(F.logsigmoid, values, upstream, ["x"]), F.logsigmoid, values, ["x"], upstream)
+
+
 def test_l1_loss_gradient_at_nan_is_torchs_zero():
     """torch's l1_loss gradient is sign(x - target): 0 at NaN (a NaN batch leaves the weights finite)."""
     x = np.array([np.nan, 1.0], np.float32)

@@ -263,6 +263,19 @@ def test_rms_norm_model_trains_as_torch():
     run_parity(RMSNormBlock(), token_batches(), optim.SGDConfig(lr=0.5), lambda p: torch.optim.SGD(p, lr=0.5), loss_fn=tagger_loss)
 
 
+def test_confident_logits_train_as_torch_with_bce_with_logits():
+    """Logits of +-20 to +-60 (a confident classifier): torch's loss is about |x| where the target
+    disagrees; the exporter's log(sigmoid) form made it inf (symbolics.binary_cross_entropy_with_logits)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    with torch.no_grad():
+        model[2].weight.mul_(40.0)
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(6, 8, generator=generator), torch.randint(0, 2, (6, 3), generator=generator).float()) for _ in range(3)]
+    loss_fn = functools.partial(F.binary_cross_entropy_with_logits, pos_weight=torch.tensor([1.0, 2.0, 0.5]))
+    run_parity(model, data, optim.SGDConfig(lr=0.01), lambda p: torch.optim.SGD(p, lr=0.01), loss_fn=loss_fn)
+
+
 # ------------------------------------------------------------------ what the graph cannot hold
 class DataDependentBranch(nn.Module):
     def __init__(self):
