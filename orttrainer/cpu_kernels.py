@@ -13,8 +13,8 @@ so that they and their gradients work on pooled tensors. Only CPU float32 traini
 are rewritten: other providers have fast kernels of their own.
 
 ``use_exact_cpu_kernels`` (also CPU float32 graphs) replaces kernels whose values differ from
-torch's beyond rounding (docs/stack_facts.md, "Kernels that differ from torch"): the Sigmoid, and
-the Sqrt at +inf.
+torch's beyond rounding (docs/stack_facts.md, "Kernels that differ from torch"): the Sigmoid, the
+QuickGelu a SiLU is fused into and its gradient (the same approximate sigmoid), and the Sqrt at +inf.
 """
 
 import math
@@ -201,14 +201,17 @@ FAST_CPU_KERNELS = {
 }
 
 
+def _one_plus_exp_minus(build: NodeBuilder, z: str) -> str:
+    """1 + exp(-z): torch's sigmoid is its reciprocal, its silu z over it."""
+    return build.op("Add", [build.op("Exp", [build.op("Neg", [z])]), build.const(1.0)])
+
+
 def exact_sigmoid(build: NodeBuilder):
     """Sigmoid as torch computes it, 1 / (1 + exp(-x)). ONNX Runtime's CPU kernel approximates it
     with an absolute, not relative, error: 0.8% off at x = -11.8, and it clamps near -17.5 (0 from
     about -20, where torch gives 2e-9), so log(sigmoid(x)) and a BCELoss on it differ by tens and
     their gradients vanish (docs/stack_facts.md). The gradient (SigmoidGrad) reads this output."""
-    x = build.node.input[0]
-    denominator = build.op("Add", [build.op("Exp", [build.op("Neg", [x])]), build.const(1.0)])
-    build.op("Reciprocal", [denominator], build.node.output[0])
+    build.op("Reciprocal", [_one_plus_exp_minus(build, build.node.input[0])], build.node.output[0])
 
 
 def exact_sqrt(build: NodeBuilder):
@@ -220,7 +223,30 @@ def exact_sqrt(build: NodeBuilder):
     build.op("Where", [build.op("IsInf", [x], detect_negative=0), x, build.op("Sqrt", [x])], build.node.output[0])
 
 
-EXACT_CPU_KERNELS = {"Sigmoid": exact_sigmoid, "Sqrt": exact_sqrt}
+def _quick_gelu_input(build: NodeBuilder):
+    """(x, alpha x) of a QuickGelu or QuickGeluGrad node: x * sigmoid(alpha x) is its function."""
+    x, alpha = build.node.input[-1], build.attribute("alpha", 1.702)
+    return x, (x if alpha == 1.0 else build.op("Mul", [x, build.const(alpha)]))
+
+
+def exact_quick_gelu(build: NodeBuilder):
+    """x * sigmoid(alpha x) as torch computes silu, x / (1 + exp(-x)) (alpha 1). ONNX Runtime's
+    optimizer fuses a SiLU (x * sigmoid(x)) into QuickGelu, whose CPU kernel has the approximate
+    sigmoid (exact_sigmoid): 0 below about -17.5, 1e-7 off elsewhere."""
+    x, scaled = _quick_gelu_input(build)
+    build.op("Div", [x, _one_plus_exp_minus(build, scaled)], build.node.output[0])
+
+
+def exact_quick_gelu_grad(build: NodeBuilder):
+    """QuickGelu's gradient (dy, x) as torch's silu_backward: dy * s * (1 + alpha x (1 - s)), s = sigmoid(alpha x)."""
+    _, scaled = _quick_gelu_input(build)
+    sigmoid = build.op("Reciprocal", [_one_plus_exp_minus(build, scaled)])
+    slope = build.op("Add", [build.const(1.0), build.op("Mul", [scaled, build.op("Sub", [build.const(1.0), sigmoid])])])
+    build.op("Mul", [build.op("Mul", [build.node.input[0], sigmoid]), slope], build.node.output[0])
+
+
+EXACT_CPU_KERNELS = {"Sigmoid": exact_sigmoid, "Sqrt": exact_sqrt, "QuickGelu": exact_quick_gelu,
+                     "QuickGeluGrad": exact_quick_gelu_grad}  # fmt: skip
 
 
 def pool_before_relu(model: onnx.ModelProto) -> int:
@@ -267,5 +293,6 @@ def use_fast_cpu_kernels(model: onnx.ModelProto, keep_op_types=()) -> list:
 
 def use_exact_cpu_kernels(model: onnx.ModelProto) -> list:
     """Replace, in place, every node :data:`EXACT_CPU_KERNELS` knows; return their names."""
-    targets = [node for node in model.graph.node if node.op_type in EXACT_CPU_KERNELS and node.domain in ("", "ai.onnx")]
+    targets = [node for node in model.graph.node
+               if node.op_type in EXACT_CPU_KERNELS and node.domain in ("", "ai.onnx", "com.microsoft")]  # fmt: skip
     return replace_nodes(model, EXACT_CPU_KERNELS, targets)

@@ -89,6 +89,19 @@ def test_sigmoid_tail():
     assert "Exp" in op_types(train), "the Sigmoid was not replaced"
 
 
+@pytest.mark.parametrize("alpha", [1.0, 1.702])
+def test_silu_fused_into_quick_gelu(alpha):
+    """ONNX Runtime fuses x * sigmoid(alpha x) (F.silu: alpha 1) into QuickGelu, whose CPU kernel and
+    gradient use its approximate sigmoid (0 below about -17.5, ~1e-7 off elsewhere);
+    cpu_kernels.exact_quick_gelu(_grad) compute torch's silu and silu_backward."""
+    x = edge_values(*spread(1e-8, 120), -17.0, -17.5, -18.0, -20.0, -30.0, -60.0, -87.0, -88.7, -89.0)
+    values = {"x": x}
+    function = (lambda x: F.silu(x)) if alpha == 1.0 else (lambda x: x * torch.sigmoid(alpha * x))
+    upstream = upstream_like(x.shape)
+    train = check_against_torch(exported_model(function, values, upstream, ["x"]), function, values, ["x"], upstream)
+    assert not {"QuickGelu", "QuickGeluGrad", "Sigmoid"} & op_types(train), op_types(train)
+
+
 def test_prelu_slope_and_input():
     x = np.stack([edge_values(-1.0, 2.0)] * 6).reshape(2, 3, -1)
     slope = np.array([[0.25], [-0.5], [0.0]], np.float32)
