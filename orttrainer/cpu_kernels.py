@@ -4,7 +4,7 @@ and ones that round differently from torch's by exact ones.
 Some kernels of onnxruntime-training 1.19 are scalar, single-threaded loops on the CPU,
 several times slower than the same arithmetic spelled with ONNX Runtime's vectorised
 elementwise ops (measured in benchmarks/NOTES.md): the softmax cross-entropy loss and its
-gradient, the GELU (erf and tanh forms), ReLU and max-pool gradients. Each function below emits,
+gradient, the GELU (erf and tanh forms), ReLU, max-pool and layer-norm gradients. Each function below emits,
 through a :class:`~orttrainer.rewrites.NodeBuilder`, the same values with fast ops; values and
 gradients are checked against the originals in tests/test_cpu_kernels.py and against torch,
 also at boundary values (-inf logits, ignored labels, NaN), in tests/test_boundary_values.py.
@@ -23,7 +23,7 @@ from collections import defaultdict
 import numpy as np
 import onnx
 
-from .rewrites import NodeBuilder, opset, replace_nodes
+from .rewrites import NodeBuilder, opset, replace_nodes, shapes_in
 
 
 def _like(build: NodeBuilder, value: float, tensor: str) -> str:
@@ -189,6 +189,44 @@ def max_pool_grad(build: NodeBuilder):
     return True
 
 
+WIDE_LAYER_NORM = 512  # values per row from which layer_norm_grad's passes beat ONNX Runtime's kernel
+
+
+def layer_norm_grad(build: NodeBuilder):
+    """LayerNormalizationGrad (dy, x, scale, the forward's mean and inverse standard deviation)
+    as torch's formula: with x^ = (x - mean) * inv_std and g = dy * scale,
+    dx = inv_std * (g - mean(g) - x^ * mean(g * x^)) over the normalized axes,
+    d scale = sum(dy * x^) and d bias = sum(dy) over the others (rows of the scale's shape).
+
+    ONNX Runtime's kernel took 3.3 ms on [1024, 512] where these passes take 1.35 (torch's: 0.2),
+    but as fast on rows of 256 and faster on narrower ones, where the passes' count costs more than
+    the kernel (benchmarks/NOTES.md §33): rows of ``WIDE_LAYER_NORM`` values or more, whose scale's
+    shape the graph declares. Needs a negative axis, as the exporter writes it.
+    """
+    dy, x, scale, mean, inverse_std = build.node.input[:5]
+    axis, scale_shape = build.attribute("axis", -1), build.shapes.get(scale)
+    if axis >= 0 or build.opset < 13 or not scale_shape or None in scale_shape or math.prod(scale_shape) < WIDE_LAYER_NORM:
+        return False
+    normalized = list(range(axis, 0))
+    normalized_x = build.op("Mul", [build.op("Sub", [x, mean]), inverse_std])
+    gradient = build.op("Mul", [dy, scale])
+    gradient_mean = build.reduce("ReduceMean", gradient, normalized, 1)
+    projection = build.reduce("ReduceMean", build.op("Mul", [gradient, normalized_x]), normalized, 1)
+    centered = build.op("Sub", [build.op("Sub", [gradient, gradient_mean]), build.op("Mul", [normalized_x, projection])])
+    outputs = list(build.node.output) + [""] * 3
+    build.op("Mul", [centered, inverse_std], outputs[0])
+    rows = build.op("Concat", [build.const([-1], np.int64), build.op("Shape", [scale])], axis=0)
+
+    def summed_over_rows(value, output):  # x's leading axes, however many (none: one row)
+        return build.reduce("ReduceSum", build.op("Reshape", [value, rows]), [0], 0, output)
+
+    if outputs[1]:
+        summed_over_rows(build.op("Mul", [dy, normalized_x]), outputs[1])
+    if outputs[2]:
+        summed_over_rows(dy, outputs[2])
+    return True
+
+
 FAST_CPU_KERNELS = {
     "SoftmaxCrossEntropyLoss": softmax_cross_entropy_loss,
     "SoftmaxCrossEntropyLossGrad": softmax_cross_entropy_loss_grad,
@@ -198,6 +236,7 @@ FAST_CPU_KERNELS = {
     "BiasFastGeluGrad_dX": tanh_gelu_grad,
     "ReluGrad": relu_grad,
     "MaxPoolGrad": max_pool_grad,
+    "LayerNormalizationGrad": layer_norm_grad,
 }
 
 
@@ -288,7 +327,9 @@ def use_fast_cpu_kernels(model: onnx.ModelProto, keep_op_types=()) -> list:
     if opset(model) < 15:
         return []
     targets = [node for node in model.graph.node if node.op_type in FAST_CPU_KERNELS and node.op_type not in keep_op_types]
-    return replace_nodes(model, FAST_CPU_KERNELS, targets)
+    declared = shapes_in(model.graph.input)  # the weights' shapes among them
+    declared.update({initializer.name: list(initializer.dims) for initializer in model.graph.initializer})
+    return replace_nodes(model, FAST_CPU_KERNELS, targets, shapes=declared)
 
 
 def use_exact_cpu_kernels(model: onnx.ModelProto) -> list:

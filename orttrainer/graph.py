@@ -423,18 +423,9 @@ def infer_tensor_facts(model: onnx.ModelProto) -> TensorFacts:
         info.name: info.type.tensor_type.elem_type
         for info in list(inferred.value_info) + list(inferred.output) + list(inferred.input)
     }
-    shapes = _shapes_in(list(inferred.value_info) + list(inferred.input) + list(inferred.output))
+    shapes = rewrites.shapes_in(list(inferred.value_info) + list(inferred.input) + list(inferred.output))
     shapes.update({initializer.name: list(initializer.dims) for initializer in model.graph.initializer})
     return TensorFacts(elem_types, shapes)
-
-
-def _shapes_in(value_infos) -> dict:
-    """Tensor name -> shape of the value infos that have one (None for a dynamic dimension)."""
-    return {
-        info.name: [dim.dim_value if dim.HasField("dim_value") else None for dim in info.type.tensor_type.shape.dim]
-        for info in value_infos
-        if info.type.tensor_type.HasField("shape")
-    }
 
 
 def _nodes_between(model: onnx.ModelProto, sources, target: str, facts: TensorFacts = None):
@@ -793,7 +784,7 @@ def _shapes_at(model: onnx.ModelProto, sample_shapes: dict) -> dict:
             dim.dim_value = size
     inferred = onnx.shape_inference.infer_shapes(fixed, data_prop=True).graph
     shapes = {initializer.name: list(initializer.dims) for initializer in fixed.graph.initializer}
-    shapes.update(_shapes_in(list(inferred.value_info) + list(inferred.input) + list(inferred.output)))
+    shapes.update(rewrites.shapes_in(list(inferred.value_info) + list(inferred.input) + list(inferred.output)))
     return shapes
 
 

@@ -1294,6 +1294,15 @@ def _copy_without(message, skipped: str):
     return copied
 
 
+def shapes_in(value_infos) -> dict:
+    """Tensor name -> shape of the value infos that have one (None for a dynamic dimension)."""
+    return {
+        info.name: [dim.dim_value if dim.HasField("dim_value") else None for dim in info.type.tensor_type.shape.dim]
+        for info in value_infos
+        if info.type.tensor_type.HasField("shape")
+    }
+
+
 def symbolic_shapes(model: onnx.ModelProto) -> dict:
     """Tensor name -> shape from ONNX shape inference: sizes, dim_param names, None where unknown."""
     inferred = onnx.shape_inference.infer_shapes(structure_for_inference(model), data_prop=True).graph  # sizes from Shape ops too

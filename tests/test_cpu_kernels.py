@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from onnx import TensorProto, helper
-from models import TokenTagger
+from models import SEQ, VOCAB, Encoder, TokenTagger, lm_loss
 from parity import cpu_options, run_parity
 
 from orttrainer import ORTTrainer, optim
-from orttrainer.cpu_kernels import use_fast_cpu_kernels
+from orttrainer.cpu_kernels import WIDE_LAYER_NORM, use_fast_cpu_kernels
 
 MS = "com.microsoft"
 
@@ -119,6 +119,66 @@ def test_max_pool_gradient(kernel, stride, pads):
     _compare(nodes, inputs, ["dx"], feeds, "MaxPoolGrad", output_shapes={"dx": x.shape})
 
 
+def _layer_norm_rows(shape, normalized_dims, generator):
+    """x over ``shape`` whose rows (the ``normalized_dims`` trailing dims) reach LayerNorm's edges:
+    a constant row (variance 0), huge and tiny magnitudes, an exact tie, ±0 and a size-1 row."""
+    x = generator.standard_normal(shape).astype(np.float32)
+    rows = x.reshape(-1, int(np.prod(shape[-normalized_dims:])))
+    row = generator.standard_normal(rows.shape[1])
+    edges = [np.full(rows.shape[1], 3.0), row * 1e18, row * 1e-30, np.where(row > 0, 1.0, -1.0), np.zeros(rows.shape[1]),
+             -np.zeros(rows.shape[1])]  # fmt: skip
+    for index, row in enumerate(edges[: len(rows)]):
+        rows[index] = row
+    return x
+
+
+def _layer_norm_gradient_case(shape, normalized_dims, outputs, generator):
+    """(one-node LayerNormalizationGrad model, its feeds): the forward's float32 statistics of x."""
+    x = _layer_norm_rows(shape, normalized_dims, generator)
+    normalized = list(shape[-normalized_dims:])
+    scale = generator.standard_normal(normalized).astype(np.float32)
+    _, mean, inverse_std = torch.ops.aten.native_layer_norm(torch.from_numpy(x), normalized, None, None, 1e-5)
+    stat_shape = list(mean.shape)
+    feeds = {"dy": generator.standard_normal(shape).astype(np.float32), "x": x, "scale": scale,
+             "mean": mean.numpy(), "inverse_std": inverse_std.numpy()}  # fmt: skip
+    inputs = [("dy", shape), ("x", shape), ("scale", normalized), ("mean", stat_shape), ("inverse_std", stat_shape)]
+    node = helper.make_node("LayerNormalizationGrad", [name for name, _ in inputs], outputs, name="grad", domain=MS,
+                            axis=-normalized_dims)  # fmt: skip
+    graph = helper.make_graph([node], "case", [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
+                              [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in outputs])  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)])
+    model.ir_version = 8
+    return model, feeds
+
+
+@pytest.mark.parametrize("shape, normalized_dims, outputs", [
+    ((4, 3, 512), 1, ["dx", "dscale", "dbias"]),
+    ((6, 2, 256), 2, ["dx", "dscale", "dbias"]),
+    ((1, 600), 2, ["dx", "dscale", "dbias"]),  # every axis normalized: one row, a constant one (variance 0)
+    ((4, 3, 512), 1, ["dx", "dscale"]),  # LayerNorm without bias
+])  # fmt: skip
+def test_layer_norm_gradient_at_edge_values(shape, normalized_dims, outputs):
+    """LayerNormalizationGrad replaced: dx, d scale, d bias equal torch's native_layer_norm_backward in
+    float64 on the same inputs (the forward's float32 mean and inverse standard deviation), to float32
+    rounding of each row's largest value (dx sums to 0 over a row, so its entries cancel)."""
+    model, feeds = _layer_norm_gradient_case(shape, normalized_dims, outputs, np.random.default_rng(4))
+    normalized = list(shape[-normalized_dims:])
+    assert use_fast_cpu_kernels(model) and "LayerNormalizationGrad" not in {n.op_type for n in model.graph.node}
+    actual = dict(zip(outputs, _run(model, feeds)))
+    as64 = {name: torch.from_numpy(value).double() for name, value in feeds.items()}
+    expected = torch.ops.aten.native_layer_norm_backward(as64["dy"], as64["x"], normalized, as64["mean"], as64["inverse_std"],
+                                                         as64["scale"], as64["scale"], [True, True, True])  # fmt: skip
+    for name, reference in zip(["dx", "dscale", "dbias"], expected):
+        if name not in actual:
+            continue
+        reference = reference.numpy()
+        rows = reference.reshape(-1, int(np.prod(normalized))) if name == "dx" else reference.reshape(1, -1)
+        row_scale = np.abs(rows).max(axis=1, keepdims=True)
+        error = np.abs(actual[name].reshape(rows.shape) - rows)
+        assert np.all(error <= 2e-6 * row_scale + 1e-5 * np.abs(rows)), f"{name}: worst {error.max()} at scale {row_scale.max()}"
+        assert actual[name].shape == reference.shape, name
+
+
 def test_trainer_uses_fast_kernels_with_ignored_labels(tmp_path):
     """Cross-entropy with ignored labels over [N, C, T] scores: 3 SGD steps equal torch's."""
     torch.manual_seed(0)
@@ -135,6 +195,27 @@ def test_trainer_uses_fast_kernels_with_ignored_labels(tmp_path):
                loss_fn=F.cross_entropy, options=options)  # fmt: skip
     ops = {node.op_type for node in onnx.load(str(path)).graph.node}
     assert not ops & {"SoftmaxCrossEntropyLoss", "SoftmaxCrossEntropyLossGrad", "BiasGeluGrad_dX", "GeluGrad"}, ops
+
+
+def test_narrow_layer_norm_keeps_onnxruntimes_gradient_kernel():
+    """Rows narrower than WIDE_LAYER_NORM: ONNX Runtime's kernel is as fast or faster (NOTES.md §33)."""
+    model, _ = _layer_norm_gradient_case((4, 3, WIDE_LAYER_NORM // 2), 1, ["dx", "dscale", "dbias"], np.random.default_rng(5))
+    assert not use_fast_cpu_kernels(model)
+
+
+def test_encoder_trains_as_torch_with_the_layer_norm_gradient_replaced(tmp_path):
+    """A transformer encoder of width 512 (two LayerNorms in its layer, one before the head): 3 SGD steps equal
+    torch's, every state_dict key, with LayerNormalizationGrad replaced in the training graph."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, VOCAB, (4, SEQ), generator=generator), torch.randint(0, VOCAB, (4, SEQ), generator=generator))
+               for _ in range(3)]  # fmt: skip
+    path = tmp_path / "train.onnx"
+    options = cpu_options({"debug": {"graph_save_paths": {"model_with_training_graph_path": str(path)}}})
+    run_parity(Encoder(d_model=WIDE_LAYER_NORM), batches, optim.SGDConfig(lr=0.5), lambda parameters: torch.optim.SGD(parameters, lr=0.5),
+               loss_fn=lm_loss, options=options)  # fmt: skip
+    ops = [node.op_type for node in onnx.load(str(path)).graph.node]
+    assert "LayerNormalizationGrad" not in ops and ops.count("LayerNormalization") == 3, sorted(set(ops))
 
 
 def _ties_cnn():
