@@ -390,6 +390,16 @@ def bar_chart(report, path):
     plt.close(figure)
 
 
+def _cpu_model():
+    """The CPU's model name (the two kinds of host this runs on differ), else the architecture."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small workloads, few steps, no torch.compile (for CI)")
@@ -405,7 +415,7 @@ def main():
     tuned = {"tuned malloc (" + " ".join(f"{k}={v}" for k, v in TUNED_MALLOC.items()) + ")": TUNED_MALLOC}
     variants = {"quick": {"default malloc": {}}, "zoo": tuned, "full": {"default malloc": {}, **tuned}}[suite]
     contenders = {name: (name, None) for name in ("torch eager", "orttrainer")} if args.zoo else None
-    report = {"date": date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+    report = {"date": date.today().isoformat(), "machine": f"{_cpu_model()}, {os.cpu_count()} cores",
               "threads": torch.get_num_threads(), "gemm_gflops": gemm_ceiling_gflops(), "variants": {}}
     for variant, env in variants.items():
         report["variants"][variant] = {}
