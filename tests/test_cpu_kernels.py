@@ -119,28 +119,34 @@ def test_max_pool_gradient(kernel, stride, pads):
     _compare(nodes, inputs, ["dx"], feeds, "MaxPoolGrad", output_shapes={"dx": x.shape})
 
 
-def _layer_norm_rows(shape, normalized_dims, generator):
+def _layer_norm_rows(shape, normalized_dims, generator, nonfinite=False):
     """x over ``shape`` whose rows (the ``normalized_dims`` trailing dims) reach LayerNorm's edges:
-    a constant row (variance 0), huge and tiny magnitudes, an exact tie, ±0 and a size-1 row."""
+    a constant row (variance 0), huge and tiny magnitudes, an exact tie, ±0; with ``nonfinite``
+    also a row holding ±inf and one holding NaN."""
     x = generator.standard_normal(shape).astype(np.float32)
     rows = x.reshape(-1, int(np.prod(shape[-normalized_dims:])))
     row = generator.standard_normal(rows.shape[1])
     edges = [np.full(rows.shape[1], 3.0), row * 1e18, row * 1e-30, np.where(row > 0, 1.0, -1.0), np.zeros(rows.shape[1]),
              -np.zeros(rows.shape[1])]  # fmt: skip
+    if nonfinite:
+        edges += [np.where(row > 1, np.inf, np.where(row < -1, -np.inf, row)), np.where(row > 1, np.nan, row)]
     for index, row in enumerate(edges[: len(rows)]):
         rows[index] = row
     return x
 
 
-def _layer_norm_gradient_case(shape, normalized_dims, outputs, generator):
-    """(one-node LayerNormalizationGrad model, its feeds): the forward's float32 statistics of x."""
-    x = _layer_norm_rows(shape, normalized_dims, generator)
+def _layer_norm_gradient_case(shape, normalized_dims, outputs, generator, nonfinite=False):
+    """(one-node LayerNormalizationGrad model, its feeds): the forward's float32 statistics of x;
+    with ``nonfinite`` also inf and NaN in x (``_layer_norm_rows``) and an inf in dy's last row."""
+    x = _layer_norm_rows(shape, normalized_dims, generator, nonfinite)
     normalized = list(shape[-normalized_dims:])
     scale = generator.standard_normal(normalized).astype(np.float32)
     _, mean, inverse_std = torch.ops.aten.native_layer_norm(torch.from_numpy(x), normalized, None, None, 1e-5)
     stat_shape = list(mean.shape)
-    feeds = {"dy": generator.standard_normal(shape).astype(np.float32), "x": x, "scale": scale,
-             "mean": mean.numpy(), "inverse_std": inverse_std.numpy()}  # fmt: skip
+    dy = generator.standard_normal(shape).astype(np.float32)
+    if nonfinite:
+        dy.reshape(-1)[-1] = np.inf  # a finite row of x: its dx is NaN, the bias gradient's column inf
+    feeds = {"dy": dy, "x": x, "scale": scale, "mean": mean.numpy(), "inverse_std": inverse_std.numpy()}
     inputs = [("dy", shape), ("x", shape), ("scale", normalized), ("mean", stat_shape), ("inverse_std", stat_shape)]
     node = helper.make_node("LayerNormalizationGrad", [name for name, _ in inputs], outputs, name="grad", domain=MS,
                             axis=-normalized_dims)  # fmt: skip
@@ -151,17 +157,20 @@ def _layer_norm_gradient_case(shape, normalized_dims, outputs, generator):
     return model, feeds
 
 
-@pytest.mark.parametrize("shape, normalized_dims, outputs", [
-    ((4, 3, 512), 1, ["dx", "dscale", "dbias"]),
-    ((6, 2, 256), 2, ["dx", "dscale", "dbias"]),
-    ((1, 600), 2, ["dx", "dscale", "dbias"]),  # every axis normalized: one row, a constant one (variance 0)
-    ((4, 3, 512), 1, ["dx", "dscale"]),  # LayerNorm without bias
+@pytest.mark.parametrize("shape, normalized_dims, outputs, nonfinite", [
+    ((4, 3, 512), 1, ["dx", "dscale", "dbias"], False),
+    ((6, 2, 256), 2, ["dx", "dscale", "dbias"], False),
+    ((1, 600), 2, ["dx", "dscale", "dbias"], False),  # every axis normalized: one row, a constant one (variance 0)
+    ((4, 3, 512), 1, ["dx", "dscale"], False),  # LayerNorm without bias
+    ((4, 3, 512), 1, ["dx", "dscale", "dbias"], True),  # rows with ±inf and NaN, an inf in dy
 ])  # fmt: skip
-def test_layer_norm_gradient_at_edge_values(shape, normalized_dims, outputs):
+def test_layer_norm_gradient_at_edge_values(shape, normalized_dims, outputs, nonfinite):
     """LayerNormalizationGrad replaced: dx, d scale, d bias equal torch's native_layer_norm_backward in
     float64 on the same inputs (the forward's float32 mean and inverse standard deviation), to float32
-    rounding of each row's largest value (dx sums to 0 over a row, so its entries cancel)."""
-    model, feeds = _layer_norm_gradient_case(shape, normalized_dims, outputs, np.random.default_rng(4))
+    rounding of each row's largest finite value (dx sums to 0 over a row, so its entries cancel);
+    NaN and ±inf where torch's are. Known difference, ONNX Runtime's own kernel's too: in the row of
+    dx whose dy holds an inf, half the entries are -inf where torch's are all NaN (non-finite both)."""
+    model, feeds = _layer_norm_gradient_case(shape, normalized_dims, outputs, np.random.default_rng(4), nonfinite)
     normalized = list(shape[-normalized_dims:])
     assert use_fast_cpu_kernels(model) and "LayerNormalizationGrad" not in {n.op_type for n in model.graph.node}
     actual = dict(zip(outputs, _run(model, feeds)))
@@ -172,11 +181,20 @@ def test_layer_norm_gradient_at_edge_values(shape, normalized_dims, outputs):
         if name not in actual:
             continue
         reference = reference.numpy()
-        rows = reference.reshape(-1, int(np.prod(normalized))) if name == "dx" else reference.reshape(1, -1)
-        row_scale = np.abs(rows).max(axis=1, keepdims=True)
-        error = np.abs(actual[name].reshape(rows.shape) - rows)
-        assert np.all(error <= 2e-6 * row_scale + 1e-5 * np.abs(rows)), f"{name}: worst {error.max()} at scale {row_scale.max()}"
         assert actual[name].shape == reference.shape, name
+        rows = reference.reshape(-1, int(np.prod(normalized))) if name == "dx" else reference.reshape(1, -1)
+        values = actual[name].reshape(rows.shape)
+        finite = np.isfinite(rows)
+        np.testing.assert_array_equal(np.isfinite(values), finite, err_msg=f"{name}: non-finite positions")
+        infinite_dy_row = np.isinf(feeds["dy"]).reshape(-1, rows.shape[1]).any(axis=1, keepdims=True) if name == "dx" else False
+        exact = ~finite & ~np.broadcast_to(infinite_dy_row, rows.shape)
+        np.testing.assert_array_equal(values[exact], rows[exact], err_msg=f"{name}: NaN and inf values")
+        expected_finite = np.abs(np.where(finite, rows, 0.0))  # the non-finite entries were compared above
+        error = np.abs(np.where(finite, values, 0.0) - np.where(finite, rows, 0.0))
+        row_scale = expected_finite.max(axis=1, keepdims=True)
+        assert np.all(error <= 2e-6 * row_scale + 1e-5 * expected_finite), f"{name}: worst {error.max()}"
+        if nonfinite:
+            assert not finite.all(), f"{name}: the case reaches no non-finite value"
 
 
 def test_trainer_uses_fast_kernels_with_ignored_labels(tmp_path):
