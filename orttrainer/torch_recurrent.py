@@ -12,8 +12,9 @@ sigmoid, docs/stack_facts.md).
 
 ONNX orders the gates of an LSTM input, output, forget, cell (torch: i, f, g, o) and of a GRU
 update, reset, hidden (torch: r, z, n), and lays outputs out as [sequence, direction, batch,
-hidden] (torch: [sequence, batch, direction * hidden]). The conversions happen inside the
-recorded computation, so the gradients come back in ONNX's layout.
+hidden] (torch: [sequence, batch, direction * hidden]). The forward step reorders the weights into
+torch's layout and records the layer on those; the gradient step reorders their gradients back
+into ONNX's. The outputs' layout conversion happens inside the recorded computation.
 """
 
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ GRU = _Kind("GRU", "GRUTraining", "GRUGrad", ("X", "W", "R", "B", "sequence_lens
             ("X", "W", "R", "B", "initial_h"), 2, [1, 0, 2], torch.gru, "zrh")  # fmt: skip
 KINDS = {op_type: kind for kind in (LSTM, GRU) for op_type in (kind.inference, kind.forward, kind.backward)}
 _DIRECTIONS = ("forward", "reverse", "bidirectional")
+_WEIGHTS = ("W", "R", "B")  # the roles whose gradients the gradient step reorders from torch's layout
 
 
 def _named(names, roles) -> dict:
@@ -110,33 +112,61 @@ def torch_nodes(nodes) -> set:
     return names | {node.name for node in nodes if node.op_type in (LSTM.inference, GRU.inference) and torch_can_run(node)}
 
 
-def _torch_order(weights: torch.Tensor, gates) -> torch.Tensor:
-    """ONNX's gate chunks along dimension 0 in torch's order."""
-    chunks = weights.chunk(len(gates))
-    return torch.cat([chunks[index] for index in gates])
+def _reordered(tensor: torch.Tensor, order, out=None) -> torch.Tensor:
+    """``tensor``'s gate chunks along dimension 0, chunk ``order[k]`` at position k."""
+    chunks = tensor.chunk(len(order))
+    return torch.cat([chunks[index] for index in order], out=out)
 
 
-def recurrent(kind: _Kind, x, w, r, b, initial_states, direction: str, hidden: int):
-    """ONNX's LSTM or GRU (layout 0) computed by torch: (Y, Y_h[, Y_c]) in ONNX's layout.
+def torch_parameters(kind: _Kind, w, r, b, hidden: int) -> list:
+    """ONNX's W, R[, B] as torch's flat weight list (per direction: w_ih, w_hh[, b_ih, b_hh]), gates in torch's order."""
+    gates = len(kind.gates)
+    parameters = []
+    for index in range(w.shape[0]):
+        parameters += [_reordered(w[index], kind.gates), _reordered(r[index], kind.gates)]
+        if b is not None:
+            biases = (b[index, : gates * hidden], b[index, gates * hidden :])
+            parameters += [_reordered(bias, kind.gates) for bias in biases]
+    return parameters
+
+
+def onnx_parameter_gradients(kind: _Kind, gradients, with_bias: bool) -> dict:
+    """The gradients of :func:`torch_parameters`' list in ONNX's layout: {"W": ..., "R": ...[, "B": ...]}."""
+    onnx_order = [kind.gates.index(position) for position in range(len(kind.gates))]
+    per_direction = 4 if with_bias else 2
+    directions = [gradients[start : start + per_direction] for start in range(0, len(gradients), per_direction)]
+    first = directions[0]
+    result = {"W": first[0].new_empty(len(directions), *first[0].shape), "R": first[1].new_empty(len(directions), *first[1].shape)}
+    if with_bias:
+        result["B"] = first[2].new_empty(len(directions), 2 * first[2].shape[0])
+    for index, (w, r, *biases) in enumerate(directions):
+        _reordered(w, onnx_order, out=result["W"][index])
+        _reordered(r, onnx_order, out=result["R"][index])
+        for half, bias in zip(result["B"][index].chunk(2) if with_bias else (), biases):
+            _reordered(bias, onnx_order, out=half)
+    return result
+
+
+def _run_layer(kind: _Kind, x, parameters, with_bias: bool, initial_states, direction: str, hidden: int):
+    """ONNX's LSTM or GRU (layout 0) computed by torch on :func:`torch_parameters`: (Y, Y_h[, Y_c]) in ONNX's layout.
 
     ``initial_states``: (initial_h[, initial_c]), each None for zeros.
     """
     sequence, batch = x.shape[0], x.shape[1]
     directions = 2 if direction == "bidirectional" else 1
-    gates = len(kind.gates)
-    params = []
-    for index in range(directions):
-        params += [_torch_order(w[index], kind.gates), _torch_order(r[index], kind.gates)]
-        if b is not None:
-            params += [_torch_order(b[index, : gates * hidden], kind.gates), _torch_order(b[index, gates * hidden :], kind.gates)]
     zeros = x.new_zeros(directions, batch, hidden)
     states = tuple(zeros if state is None else state for state in initial_states)
     inputs = x.flip(0) if direction == "reverse" else x
     hx = states if kind is LSTM else states[0]
-    output, *last = kind.call(inputs, hx, params, b is not None, 1, 0.0, True, directions == 2, False)
+    output, *last = kind.call(inputs, hx, parameters, with_bias, 1, 0.0, True, directions == 2, False)
     if direction == "reverse":
         output = output.flip(0)
     return (output.view(sequence, batch, directions, hidden).transpose(1, 2).contiguous(), *last)
+
+
+def recurrent(kind: _Kind, x, w, r, b, initial_states, direction: str, hidden: int):
+    """ONNX's LSTM or GRU (layout 0) on ONNX's W, R[, B], computed by torch: (Y, Y_h[, Y_c]) in ONNX's layout."""
+    return _run_layer(kind, x, torch_parameters(kind, w, r, b, hidden), b is not None, initial_states, direction, hidden)
 
 
 class RecurrentInference:
@@ -150,32 +180,44 @@ class RecurrentInference:
         self.inputs = list(self.roles.values())
         self.outputs = [name for name in node.output if name]
 
-    def _compute(self, tensors: dict):
-        """(Y, Y_h[, Y_c]) of the inputs by role."""
-        states = [tensors.get(state) for state in ("initial_h", "initial_c")[: self.kind.results - 1]]
-        return recurrent(self.kind, tensors["X"], tensors["W"], tensors["R"], tensors.get("B"), states, self.direction,
-                         self.hidden)  # fmt: skip
+    def _states(self, tensors: dict) -> list:
+        """(initial_h[, initial_c]) of the inputs by role, None where absent."""
+        return [tensors.get(state) for state in ("initial_h", "initial_c")[: self.kind.results - 1]]
 
     def run(self, values: dict) -> dict:
+        tensors = {role: values[name] for role, name in self.roles.items()}
         with torch.no_grad():
-            results = self._compute({role: values[name] for role, name in self.roles.items()})
+            results = recurrent(self.kind, tensors["X"], tensors["W"], tensors["R"], tensors.get("B"), self._states(tensors),
+                                self.direction, self.hidden)  # fmt: skip
         return {name: result for name, result in zip(self.node.output, results) if name}
 
 
+
 class RecurrentForward(RecurrentInference):
-    """An LSTMTraining or GRUTraining node as torch's call, recorded for its gradient step (``recordings``: shared)."""
+    """An LSTMTraining or GRUTraining node as torch's call, recorded for its gradient step (``recordings``: shared).
+
+    The recording's leaves are the weights in torch's layout (:func:`torch_parameters`, fresh tensors), not
+    ONNX's: autograd through the reordering cost ~0.3 ms a step more than reordering the gradients once
+    (benchmarks/NOTES.md §34).
+    """
 
     def __init__(self, node: onnx.NodeProto, recordings: dict):
         super().__init__(node)
         self.recordings = recordings
 
     def run(self, values: dict) -> dict:
+        tensors = {role: values[name] for role, name in self.roles.items()}
+        with torch.no_grad():
+            parameters = torch_parameters(self.kind, tensors["W"], tensors["R"], tensors.get("B"), self.hidden)
         with torch.enable_grad():
-            leaves = {role: values[name].detach().requires_grad_() for role, name in self.roles.items()}
-            results = self._compute(leaves)
-        self.recordings[self.node.output[-1]] = (leaves, results)
+            leaves = {role: tensor.detach().requires_grad_() for role, tensor in tensors.items() if role not in _WEIGHTS}
+            for parameter in parameters:
+                parameter.requires_grad_()
+            results = _run_layer(self.kind, leaves["X"], parameters, "B" in tensors, self._states(leaves), self.direction,
+                                self.hidden)  # fmt: skip
+        self.recordings[self.node.output[-1]] = (leaves, parameters, "B" in tensors, results)
         produced = dict(zip(self.node.output[: self.kind.results], (result.detach() for result in results)))
-        placeholder = values[self.roles["X"]].new_empty(0)  # states and gate activations: read only by the gradient step
+        placeholder = tensors["X"].new_empty(0)  # states and gate activations: read only by the gradient step
         produced.update({name: placeholder for name in self.node.output[self.kind.results :]})
         return {name: tensor for name, tensor in produced.items() if name}
 
@@ -191,11 +233,18 @@ class RecurrentBackward:
         self.targets = _named(node.output, self.kind.gradient_outputs)  # {forward input role: gradient output name}
 
     def run(self, values: dict) -> dict:
-        leaves, results = self.recordings.pop(self.roles[self.kind.activations])
+        leaves, parameters, with_bias, results = self.recordings.pop(self.roles[self.kind.activations])
         upstream_roles = ("grad_Y", "grad_Y_h", "grad_Y_c")[: self.kind.results]
         upstream = [(result, values[self.roles[role]]) for result, role in zip(results, upstream_roles) if role in self.roles]
-        wanted = [(name, leaves[role]) for role, name in self.targets.items()]  # pairs(): the forward has each
-        gradients = torch.autograd.grad([result for result, _ in upstream], [leaf for _, leaf in wanted],
-                                        [gradient for _, gradient in upstream], allow_unused=True)  # fmt: skip
-        return {name: torch.zeros_like(leaf) if gradient is None else gradient
-                for (name, leaf), gradient in zip(wanted, gradients)}  # fmt: skip
+        # pairs(): the forward has every input whose gradient this node writes
+        wanted = [(name, leaves[role]) for role, name in self.targets.items() if role not in _WEIGHTS]
+        weights = {role: name for role, name in self.targets.items() if role in _WEIGHTS}
+        sources = [leaf for _, leaf in wanted] + (parameters if weights else [])
+        gradients = torch.autograd.grad([result for result, _ in upstream], sources, [gradient for _, gradient in upstream],
+                                        allow_unused=True)  # fmt: skip
+        produced = {name: torch.zeros_like(leaf) if gradient is None else gradient
+                    for (name, leaf), gradient in zip(wanted, gradients)}  # fmt: skip
+        if weights:
+            reordered = onnx_parameter_gradients(self.kind, gradients[len(wanted) :], with_bias)
+            produced.update({name: reordered[role] for role, name in weights.items()})
+        return produced

@@ -20,7 +20,7 @@ from parity import cpu_options, run_parity
 from orttrainer import ORTTrainer, optim
 from orttrainer.graph import GradientBuildError
 from orttrainer.torch_convolutions import SplitSession
-from orttrainer.torch_recurrent import GRU, LSTM, recurrent
+from orttrainer.torch_recurrent import GRU, LSTM, onnx_parameter_gradients, recurrent, torch_parameters
 
 
 class Tagger(nn.Module):
@@ -111,6 +111,27 @@ def test_torch_computes_the_onnx_layer(kind, direction, with_bias_and_state):
     for name, result, wanted in zip(outputs, actual, expected):
         # ONNX Runtime's kernel approximates the sigmoid (docs/stack_facts.md): ~1e-6 apart
         np.testing.assert_allclose(result.numpy(), wanted, atol=2e-5, rtol=1e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("kind", [LSTM, GRU], ids=["lstm", "gru"])
+@pytest.mark.parametrize("directions", [1, 2])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_weight_gradients_go_back_to_onnx_layout(kind, directions, with_bias):
+    """The gradient step reorders the torch-layout weights' gradients into ONNX's W, R, B: the inverse of the forward's
+    reordering, element for element (a gradient equal to its weight round-trips to the ONNX tensor)."""
+    gates, hidden, size = len(kind.gates), 3, 2
+    numbered = functools.partial(torch.arange, dtype=torch.float32)
+    onnx_weights = {"W": numbered(directions * gates * hidden * size).reshape(directions, gates * hidden, size),
+                    "R": numbered(directions * gates * hidden * hidden).reshape(directions, gates * hidden, hidden) + 1000}  # fmt: skip
+    if with_bias:
+        onnx_weights["B"] = numbered(directions * 2 * gates * hidden).reshape(directions, 2 * gates * hidden) + 2000
+    parameters = torch_parameters(kind, onnx_weights["W"], onnx_weights["R"], onnx_weights.get("B"), hidden)
+    assert len(parameters) == directions * (4 if with_bias else 2)
+    assert not torch.equal(parameters[0], onnx_weights["W"][0]), "the forward reorders the gates"
+    back = onnx_parameter_gradients(kind, parameters, with_bias)
+    assert back.keys() == onnx_weights.keys()
+    for role, tensor in onnx_weights.items():
+        assert torch.equal(back[role], tensor), role
 
 
 @pytest.mark.parametrize("layer", [nn.LSTM, nn.GRU], ids=["lstm", "gru"])
