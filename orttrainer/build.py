@@ -247,11 +247,12 @@ def from_torch(source, exported, device, providers, data_parallel=None, shared=N
     checked = options.debug.check_against_torch != "off" and not _random_draws_refuse_the_check(onnx_model)
     reference = _torch_reference(source, exported) if checked else None
     in_graph = _in_graph(onnx_model, exported.state)
+    sample_shapes = {entry.name: list(tensor.shape) for entry, tensor in zip(desc.inputs, exported.inputs)}
     if shared is None:
         untrained = [name for name in in_graph if name not in trainable]
         weights = {name: exported.state[name].to(device).contiguous() for name in trainable + untrained}
         runtime = _build(onnx_model, desc, weights, trainable, options, device, providers, data_parallel, facts,
-                         exported.lookups)  # fmt: skip
+                         exported.lookups, sample_shapes=sample_shapes)  # fmt: skip
         runtime.aliases = _aliases(module)
         runtime.unexported_state = {name: tensor for name, tensor in exported.state.items()
                                     if name not in weights and name not in runtime.aliases}  # fmt: skip
@@ -260,7 +261,7 @@ def from_torch(source, exported, device, providers, data_parallel=None, shared=N
         _check_same_weights(shared, in_graph, trainable)
         weights = {name: shared.weights[name] for name in in_graph}
         runtime = _build(onnx_model, desc, weights, trainable, options, device, providers, None, facts, exported.lookups,
-                         shared.scales)  # fmt: skip
+                         shared.scales, sample_shapes)  # fmt: skip
         runtime.weights, runtime.owned = shared.weights, shared.owned
         runtime.aliases, runtime.unexported_state = shared.aliases, shared.unexported_state
         runtime.batch_counters = shared.batch_counters
@@ -424,14 +425,15 @@ def _shape_of(value_info):
 
 # ----------------------------------------------------------------------- both
 def _build(onnx_model, model_desc, weights, trainable, options, device, providers, data_parallel, facts, lookups=None,
-           scales=None):  # fmt: skip
+           scales=None, sample_shapes=None):  # fmt: skip
     """Gradient and eval graphs, their sessions bound to ``weights`` (and ``scales``: (loss scale or
     None, dropout scale), new ones if None), and on several ranks the check that every rank built
-    the same (then all start from rank 0's weights)."""
+    the same (then all start from rank 0's weights). ``sample_shapes``: {input: shape} of the batch
+    the graph is built at, when there is one."""
     frozen = [name for name in weights if name not in trainable]
     mixed_precision = options.mixed_precision.enabled
     one_thread = device.type == "cpu" and graph.small_convolutions_dominate(onnx_model, facts)
-    convolutions = _convolutions_on_torch(options, device, onnx_model, facts)
+    convolutions = _convolutions_on_torch(options, device, onnx_model, sample_shapes or {})
     nodes = onnx_model.graph.node
     keep_for_torch = torch_convolutions.op_types_for_torch(nodes) if convolutions and torch_convolutions.runs_convolutions(
         nodes) else ()  # fmt: skip
@@ -451,15 +453,15 @@ def _build(onnx_model, model_desc, weights, trainable, options, device, provider
     return runtime
 
 
-def _convolutions_on_torch(options, device, onnx_model, facts) -> bool:
+def _convolutions_on_torch(options, device, onnx_model, sample_shapes: dict) -> bool:
     """Whether a graph's convolutions run on torch's kernels (torch_convolutions.py): on the CPU in float32,
-    by ``utils.convolution_kernels``; "auto": where they are enough work per image to pay for the
-    boundaries (``graph.convolutions_worth_splitting``; benchmarks/NOTES.md §18, §26). Not when the
-    optimized graph is saved (one graph to save)."""
+    by ``utils.convolution_kernels``; "auto": where they are enough work per convolution on the batch
+    of ``sample_shapes`` to pay for the boundaries (``graph.convolutions_worth_splitting``;
+    benchmarks/NOTES.md §18, §26, §34). Not when the optimized graph is saved (one graph to save)."""
     kernels = options.utils.convolution_kernels
     if not _splits_for_torch(options, device) or kernels == "onnxruntime":
         return False
-    return kernels == "torch" or graph.convolutions_worth_splitting(onnx_model, facts)
+    return kernels == "torch" or graph.convolutions_worth_splitting(onnx_model, sample_shapes)
 
 
 def _splits_for_torch(options, device) -> bool:

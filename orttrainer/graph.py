@@ -70,8 +70,10 @@ _FLOAT32_OPS = [
 # Below this many multiply-accumulates per image, a convolution is cheaper on one CPU thread
 # than the thread-pool wake-ups ONNX Runtime's Conv/ConvGrad pay per image (benchmarks/NOTES.md §8).
 SMALL_CONVOLUTION_MACS = 1_000_000
-# Below this many multiply-accumulates of convolutions per image, a graph runs faster whole than cut
-# for torch's convolutions: the boundaries cost more than torch's kernels save (benchmarks/NOTES.md §26).
+# Below this many multiply-accumulates per convolution on a batch (their total over the batch divided by
+# their number), a graph runs faster whole than cut for torch's convolutions: each convolution adds
+# boundaries that cost the same at any batch size, while what torch's kernels save grows with the
+# batch (benchmarks/NOTES.md §26, §34).
 SPLIT_CONVOLUTION_MACS = 3_000_000
 
 
@@ -614,9 +616,21 @@ def small_convolutions_dominate(model: onnx.ModelProto, facts: TensorFacts = Non
     return small > sum(macs for _, macs in work) / 2
 
 
-def convolutions_worth_splitting(model: onnx.ModelProto, facts: TensorFacts = None) -> bool:
-    """True when the convolutions total at least ``SPLIT_CONVOLUTION_MACS`` per image (torch_convolutions.py)."""
-    return sum(macs for node, macs in _work_per_sample(model, facts) if node.op_type == "Conv") >= SPLIT_CONVOLUTION_MACS
+def convolutions_worth_splitting(model: onnx.ModelProto, sample_shapes: dict) -> bool:
+    """True when the convolutions average at least ``SPLIT_CONVOLUTION_MACS`` each on a batch of
+    ``sample_shapes`` ({graph input: shape}, the first batch's; an input not given keeps its declared
+    shape, and a batch size still unknown counts as 1) (torch_convolutions.py).
+
+    One graph may serve batches of other sizes (a shape-generic trace): the first batch chooses for them.
+    """
+    convolutions = [node for node in model.graph.node if node.op_type == "Conv"]
+    shapes = _shapes_at(model, sample_shapes) if convolutions else {}
+    work = []
+    for node in convolutions:
+        per_sample = _macs_per_sample(node, shapes)
+        if per_sample is not None:
+            work.append(per_sample * (shapes[node.output[0]][0] or 1))
+    return bool(work) and sum(work) >= SPLIT_CONVOLUTION_MACS * len(work)
 
 
 def _quiet_session_options() -> onnxruntime.SessionOptions:

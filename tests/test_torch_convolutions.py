@@ -165,14 +165,33 @@ def test_auto_splits_graphs_whose_work_is_in_larger_convolutions():
     assert isinstance(_last_runtime(trainer).train_session, split.SplitSession)
 
 
-def test_auto_splits_a_mobilenet_whose_convolutions_are_small_but_many():
-    """Depthwise and 1x1 convolutions, each small, ~6M multiply-accumulates per image in all: split,
-    where the hardswish passes run on torch too (benchmarks/NOTES.md §26)."""
+def _lenet():
+    """LeNet-sized: two small convolutions (~0.12M multiply-accumulates each per 28x28 image)."""
+    return nn.Sequential(nn.Conv2d(1, 6, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Flatten(), nn.Linear(16 * 4 * 4, 10))  # fmt: skip
+
+
+def _small_but_many():
+    """Depthwise and 1x1 convolutions, each small (~0.3M multiply-accumulates per 32x32 image on average), ~6M in all."""
     blocks = ((16, 64, 24, 2), (24, 72, 24, 1), (24, 96, 40, 2), (40, 120, 40, 1))
-    model = zoo.MobileNetV3(classes=10, blocks=blocks, stem_stride=1)
-    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=LR), loss_fn=F.cross_entropy, options=cpu_options())
-    trainer.train_step(*zoo.image_batch(2, size=32, generator=torch.Generator().manual_seed(0)))
-    assert isinstance(_last_runtime(trainer).train_session, split.SplitSession)
+    return zoo.MobileNetV3(classes=10, blocks=blocks, stem_stride=1)
+
+
+@pytest.mark.parametrize("make_model, channels, size, batch, split_expected",
+                         [(_lenet, 1, 28, 8, False), (_lenet, 1, 28, 64, True),
+                          (_small_but_many, 3, 32, 2, False), (_small_but_many, 3, 32, 16, True)],
+                         ids=["lenet-8", "lenet-64", "small-but-many-2", "small-but-many-16"])  # fmt: skip
+def test_auto_splits_when_the_first_batch_gives_each_convolution_enough_work(make_model, channels, size, batch,
+                                                                              split_expected):  # fmt: skip
+    """Each convolution on torch adds boundaries that cost the same at any batch size, while what torch's
+    kernels save grows with the batch: "auto" splits when the convolutions average 3M multiply-accumulates
+    or more each on the first batch (benchmarks/NOTES.md §34: the faster choice at these sizes)."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    images, labels = torch.randn(batch, channels, size, size, generator=generator), torch.randint(0, 10, (batch,), generator=generator)
+    trainer = ORTTrainer(make_model(), None, optim.SGDConfig(lr=LR), loss_fn=F.cross_entropy, options=cpu_options())
+    trainer.train_step(images, labels)
+    assert isinstance(_last_runtime(trainer).train_session, split.SplitSession) == split_expected
 
 
 def test_mobilenet_trains_like_torch_with_hardswish_and_its_gradient_on_torch():
