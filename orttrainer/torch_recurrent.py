@@ -192,7 +192,6 @@ class RecurrentInference:
         return {name: result for name, result in zip(self.node.output, results) if name}
 
 
-
 class RecurrentForward(RecurrentInference):
     """An LSTMTraining or GRUTraining node as torch's call, recorded for its gradient step (``recordings``: shared).
 
