@@ -205,7 +205,7 @@ def layer_norm_grad(build: NodeBuilder):
     """
     dy, x, scale, mean, inverse_std = build.node.input[:5]
     axis, scale_shape = build.attribute("axis", -1), build.shapes.get(scale)
-    if axis >= 0 or build.opset < 13 or not scale_shape or None in scale_shape or math.prod(scale_shape) < WIDE_LAYER_NORM:
+    if axis >= 0 or not scale_shape or None in scale_shape or math.prod(scale_shape) < WIDE_LAYER_NORM:
         return False
     normalized = list(range(axis, 0))
     normalized_x = build.op("Mul", [build.op("Sub", [x, mean]), inverse_std])
