@@ -62,6 +62,35 @@ def _clamp_min(build, x, low):
     return rewrites.where(build, build.op("GreaterOrEqual", [x, build.const(low)]), x, below)
 
 
+def clamp(g, x, low, high):
+    """torch's clamp (and clamp_min, clamp_max: one bound left out), value and gradient.
+
+    torch's symbolic writes a scalar bound left out as Clip's missing input, which ONNX Runtime
+    takes as ±FLT_MAX (docs/stack_facts.md): ±inf came out as ±FLT_MAX. Here it is an infinite
+    bound of x's type. A tensor bound is a Where rather than torch's Max / Min, whose gradient
+    ONNX Runtime splits between x and a bound equal to it, where torch's goes to x alone.
+    """
+    scalar_type = _type_utils.JitScalarType.from_value(x, _type_utils.JitScalarType.UNDEFINED)
+    if scalar_type == _type_utils.JitScalarType.UNDEFINED or not scalar_type.dtype().is_floating_point:
+        return symbolic_opset11.clamp(g, x, low, high)
+    bounds = [g.op("Constant", value_t=torch.tensor(infinity, dtype=scalar_type.dtype())) if symbolic_helper._is_none(bound)
+              else g.op("Cast", bound, to_i=scalar_type.onnx_type())
+              for bound, infinity in ((low, -float("inf")), (high, float("inf")))]  # fmt: skip
+    low, high = bounds
+    if all(symbolic_helper._get_tensor_rank(bound) == 0 for bound in bounds):
+        return g.op("Clip", x, low, high)
+    raised = g.op("Where", g.op("Less", x, low), low, x)
+    return g.op("Where", g.op("Greater", raised, high), high, raised)
+
+
+def clamp_min(g, x, low):
+    return clamp(g, x, low, None)
+
+
+def clamp_max(g, x, high):
+    return clamp(g, x, None, high)
+
+
 @symbolic_helper.parse_args("v", "f", "f")
 def softplus(g, x, beta, threshold):
     """torch's softplus: x where beta * x > threshold, else log(1 + exp(beta * x)) / beta.
@@ -644,6 +673,9 @@ _SYMBOLICS = {
     "pairwise_distance": pairwise_distance,
     "cosine_similarity": cosine_similarity,
     "softplus": softplus,
+    "clamp": clamp,
+    "clamp_min": clamp_min,
+    "clamp_max": clamp_max,
     "max": _extreme("ReduceMax", symbolic_helper._max_helper),
     "min": _extreme("ReduceMin", symbolic_helper._min_helper),
     "sinh": _unary("Sinh"),

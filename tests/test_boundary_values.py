@@ -568,6 +568,28 @@ def test_pairwise_distance(p, ulps):
     check_against_torch(exported_model(function, values, upstream, ["a", "b"]), function, values, ["a", "b"], upstream, ulps)
 
 
+_CLAMPS = {
+    "min": lambda x: x.clamp(min=0.5),
+    "max": lambda x: x.clamp(max=0.5),
+    "both": lambda x: x.clamp(-1.0, 0.5),
+    "clamp_min": lambda x: torch.clamp_min(x, 0.5),
+    "clamp_max": lambda x: torch.clamp_max(x, -1.0),
+    "tensor-min": lambda x: x.clamp(min=torch.full_like(x, 0.5)),
+    "tensor-both": lambda x: x.clamp(min=torch.full_like(x, -1.0), max=torch.full_like(x, 0.5)),
+}
+
+
+@pytest.mark.parametrize("case", _CLAMPS)
+def test_clamp(case):
+    """symbolics.clamp: ±inf stay infinite with a scalar bound left out (torch's symbolic left Clip's
+    input out, which ONNX Runtime takes as ±FLT_MAX), and x at a tensor bound gets the whole gradient
+    (torch's Max / Min split it between x and the bound); inputs at, just inside and just outside the bounds."""
+    x = edge_values(0.5, -1.0, 0.49999997, 0.50000006, -0.99999994, -1.0000001)
+    function = _CLAMPS[case]
+    upstream = upstream_like(x.shape)
+    check_against_torch(exported_model(function, {"x": x}, upstream, ["x"]), function, {"x": x}, ["x"], upstream)
+
+
 def test_cosine_similarity():
     """symbolics.cosine_similarity: each row over its norm clamped to eps for the value only, as torch's
     (its own symbolic gave a NaN gradient for a zero vector and overflowed from |x| ~ 1e19). Gradients
