@@ -10,7 +10,8 @@ those (``aten::convolution`` and ``aten::convolution_backward``, with the argume
 (``threshold_backward``, ``native_batch_norm_backward``), hardswish and its gradient (``hardswish``,
 ``hardswish_backward``, where ONNX Runtime runs a dozen nodes) and the sums of the gradients torch
 computed (§23, §26); the nodes between them run as ONNX Runtime
-sessions of their own (segments). Tensors cross a boundary without copies: a segment's outputs
+sessions of their own (segments), but for segments of small ops only, which torch runs too
+(torch_ops.py, §35). Tensors cross a boundary without copies: a segment's outputs
 come back by DLPack, its inputs are bound by pointer. Nodes are scheduled so that every
 convolution ready at a point runs in the same gap between two segments, which keeps the number
 of segments near the depth of the network.
@@ -25,8 +26,9 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
-from . import defined_gradients, session, torch_recurrent
+from . import defined_gradients, session, torch_ops, torch_recurrent
 from .rewrites import node_attributes
+from .torch_ops import NodeStep
 
 TORCH_OPS = ("Conv", "ConvGrad")
 # A HardSwish gradient's nodes (defined_gradients.py) collapsed into one node for torch; not an ONNX
@@ -105,16 +107,7 @@ class _Convolution:
         return {name: gradient for name, gradient, needed in zip(self.outputs, (dx, dw, db), wanted) if needed}
 
 
-class _NodeStep:
-    """A node torch runs with the op its type names (subclasses: ``run``)."""
-
-    def __init__(self, node: onnx.NodeProto):
-        self.node = node
-        self.inputs = list(node.input)
-        self.outputs = list(node.output)
-
-
-class _ReluGradient(_NodeStep):
+class _ReluGradient(NodeStep):
     """A ``ReluGrad`` node (dy, the ReLU's input or output) as torch's ``threshold_backward``:
     dy where not x <= 0, NaN included; one pass, where ONNX Runtime's exact spelling takes three."""
 
@@ -122,7 +115,7 @@ class _ReluGradient(_NodeStep):
         return {self.outputs[0]: torch.ops.aten.threshold_backward(values[self.inputs[0]], values[self.inputs[1]], 0)}
 
 
-class _BatchNormGradient(_NodeStep):
+class _BatchNormGradient(NodeStep):
     """A training ``BatchNormalizationGrad`` node (dy, x, scale, the forward's saved mean and inverse
     standard deviation) as torch's ``native_batch_norm_backward``, the call of torch's autograd."""
 
@@ -133,28 +126,28 @@ class _BatchNormGradient(_NodeStep):
         return {name: gradient for name, gradient, needed in zip(self.outputs, gradients, wanted) if needed}
 
 
-class _HardSwish(_NodeStep):
+class _HardSwish(NodeStep):
     """A ``HardSwish`` node as torch's ``hardswish`` (whose rounding ONNX Runtime's kernel does not share)."""
 
     def run(self, values: dict) -> dict:
         return {self.outputs[0]: torch.nn.functional.hardswish(values[self.inputs[0]])}
 
 
-class _HardSwishGradient(_NodeStep):
+class _HardSwishGradient(NodeStep):
     """A collapsed HardSwish gradient (dy, x) as torch's ``hardswish_backward``: one pass."""
 
     def run(self, values: dict) -> dict:
         return {self.outputs[0]: torch.ops.aten.hardswish_backward(values[self.inputs[0]], values[self.inputs[1]])}
 
 
-class _MaxPool(_NodeStep):
+class _MaxPool(NodeStep):
     """A ``MaxPool`` node as torch's ``max_pool{2,3}d_with_indices`` (1-D: as 2-D, as torch computes it),
     which takes NaN as a window's maximum where ONNX Runtime's kernel skips it. Its indices are handed
     on in ONNX's layout, flat over the whole input (torch's are flat within each (sample, channel) plane)."""
 
     def __init__(self, node: onnx.NodeProto):
         super().__init__(node)
-        attributes = node_attributes(node)
+        attributes = self.attributes
         self.kernel = list(attributes["kernel_shape"])
         dims = len(self.kernel)
         self.stride = list(attributes.get("strides", [1] * dims))
@@ -230,16 +223,6 @@ def attach_max_pool_inputs(model: onnx.ModelProto) -> int:
     return replaced
 
 
-class _Sum(_NodeStep):
-    """A ``Sum`` (or ``Identity``) node as torch's additions, left to right; an Identity hands its input on."""
-
-    def run(self, values: dict) -> dict:
-        total = values[self.inputs[0]]
-        for index, name in enumerate(self.inputs[1:]):
-            total = total + values[name] if index == 0 else total.add_(values[name])
-        return {self.outputs[0]: total}
-
-
 def _attributes(node: onnx.NodeProto) -> dict:
     """A convolution node's attributes by name, ``auto_pad`` NOTSET when absent."""
     return {"auto_pad": "NOTSET", **node_attributes(node)}
@@ -266,8 +249,6 @@ _NODE_STEPS = {
     HARD_SWISH_GRADIENT: _HardSwishGradient,
     "MaxPool": _MaxPool,
     MAX_POOL_GRADIENT: _MaxPoolGradient,
-    "Identity": _Sum,
-    "Sum": _Sum,
 }
 
 
@@ -447,8 +428,9 @@ class _Segment:
     def run(self, values: dict) -> dict:
         if self.session is None:
             self.open(values)
-        for name in self.inputs:
-            self.session.bind_input(name, values[name])
+        inputs = [values[name].contiguous() for name in self.inputs]  # a torch step may hand on a view (Expand)
+        for name, tensor in zip(self.inputs, inputs):
+            self.session.bind_input(name, tensor)
         produced = dict(zip(self.allocated, self.session.run()))
         produced.update(self.bound)
         return produced
@@ -487,8 +469,15 @@ class SplitSession:
                            for init in model.graph.initializer if init.name in read_on_torch}  # fmt: skip
 
     def _plan(self) -> None:
-        """Steps for the convolutions in ``on_torch``, and after each step the values no later step reads."""
-        steps = schedule(list(self._model.graph.node), lambda node: node.name in self.on_torch)
+        """Steps for the nodes in ``on_torch`` and the segments torch takes whole (``_torch_takes_whole``),
+        and after each step the values no later step reads."""
+        nodes = list(self._model.graph.node)
+        steps = schedule(nodes, lambda node: node.name in self.on_torch)
+        taken = _torch_takes_whole(steps)
+        while taken:  # each taken segment's neighbours may now meet in one
+            self.on_torch |= taken
+            steps = schedule(nodes, lambda node: node.name in self.on_torch)
+            taken = _torch_takes_whole(steps)
         self._steps, self._released = [], []
         needed = set(self.output_names)  # read by a later step or returned
         for step in reversed(steps):
@@ -507,9 +496,11 @@ class SplitSession:
     def _torch_step(self, node: onnx.NodeProto):
         if node.op_type in _NODE_STEPS:
             return _NODE_STEPS[node.op_type](node)
+        if node.op_type in TORCH_OPS:
+            return _Convolution(node)
         kind = torch_recurrent.KINDS.get(node.op_type)
         if kind is None:
-            return _Convolution(node)
+            return torch_ops.step(node)
         if node.op_type == kind.inference:
             return torch_recurrent.RecurrentInference(node)
         step = torch_recurrent.RecurrentForward if node.op_type == kind.forward else torch_recurrent.RecurrentBackward
@@ -547,11 +538,18 @@ class SplitSession:
                     target.copy_(tensor)
                     tensor = target
                 if name in self._allocated:
-                    results[name] = tensor
+                    results[name] = tensor.contiguous()
                 values[name] = tensor
             for name in released:
                 values.pop(name, None)
         return [results[name] for name in self._allocated]
+
+
+def _torch_takes_whole(steps) -> set:
+    """Names of the nodes of the segments among ``steps`` that are all small ops torch runs (torch_ops.py): as
+    torch steps they cost no boundary (benchmarks/NOTES.md §35)."""
+    return {node.name for step in steps if isinstance(step, list) and all(map(torch_ops.runs_on_torch, step))
+            for node in step}  # fmt: skip
 
 
 def _ordered_unique(names) -> list:

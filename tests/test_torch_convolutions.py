@@ -23,6 +23,7 @@ from parity import assert_close_state, cpu_options, run_parity
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 from orttrainer import torch_convolutions as split
+from orttrainer import torch_ops
 
 LR = 0.1
 
@@ -87,7 +88,7 @@ def test_every_kind_of_convolution_trains_and_evaluates_like_torch():
     session = _last_runtime(trainer).train_session
     assert isinstance(session, split.SplitSession)
     on_torch = [node.op_type for node in session._model.graph.node if node.name in session.on_torch
-                and node.op_type not in ("Identity", "Sum")]  # fmt: skip
+                and not torch_ops.runs_on_torch(node)]  # fmt: skip
     # 7 convolutions (the ConvTranspose's rewrite included), their gradients, the 3 ReLUs' and the BatchNorm's gradients
     assert sorted(on_torch) == ["BatchNormalizationGrad"] + ["Conv"] * 7 + ["ConvGrad"] * 7 + ["ReluGrad"] * 3
     _assert_evaluates_like(trainer, reference, *_image_batches([3], seed=1)[0])
@@ -106,8 +107,8 @@ def test_resnet_trains_like_torch_with_adam_and_every_convolution_on_torch():
     nodes = session._model.graph.node
     kinds = split.TORCH_OPS + ("ReluGrad", "BatchNormalizationGrad")
     assert {node.name for node in nodes if node.op_type in kinds} <= session.on_torch
-    on_torch = {node.op_type for node in nodes if node.name in session.on_torch}
-    assert on_torch == set(kinds) | {"Identity", "Sum"}  # the residual blocks' gradient paths, joined on torch
+    on_torch = {node.op_type for node in nodes if node.name in session.on_torch and not torch_ops.runs_on_torch(node)}
+    assert on_torch == set(kinds)
     convolutions = sum(node.op_type in split.TORCH_OPS for node in nodes)
     assert session.segments <= convolutions / 2  # torch steps ready together share one gap between segments
 
