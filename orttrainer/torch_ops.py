@@ -35,12 +35,15 @@ class NodeStep:
 
 
 class Sum(NodeStep):
-    """A ``Sum`` (or ``Identity``) node as torch's additions, left to right; an Identity hands its input on."""
+    """A ``Sum`` (or ``Identity``) node as torch's additions, left to right, in place into the first sum while
+    what is added does not broadcast it larger; an Identity hands its input on."""
 
     def run(self, values: dict) -> dict:
         total = values[self.inputs[0]]
         for index, name in enumerate(self.inputs[1:]):
-            total = total + values[name] if index == 0 else total.add_(values[name])
+            value = values[name]
+            in_place = index > 0 and torch.broadcast_shapes(total.shape, value.shape) == total.shape
+            total = total.add_(value) if in_place else total + value
         return {self.outputs[0]: total}
 
 

@@ -102,6 +102,7 @@ CASES = [
           scale=np.int64(3)),
     _case("Scale", ident="double-up", domain="com.microsoft", x=np.array([7.0, 1e-300, np.inf]), scale=np.float64(3.0)),
     _case("Sum", a=_column(EDGES), b=_row(EDGES), c=np.float32(1.0)),
+    _case("Sum", ident="growing", a=np.float32(1.0), b=_column(EDGES), c=_row(EDGES), d=np.ones((2, 1, 1), np.float32)),
     _case("Identity", x=EDGES),
 ]
 SHAPE_PAIRS = [([2, 3, 5], [3, 1]), ([2, 1, 5], [3, 1]), ([1, 1], [1]), ([32, 16, 1, 1], [32, 16, 1, 1]),
