@@ -152,6 +152,39 @@ class _Squeeze(_WithAxes):
         return {self.outputs[0]: x.reshape([size for axis, size in enumerate(x.shape) if axis not in axes])}
 
 
+class _Transpose(NodeStep):
+    """``Transpose`` as a view (``perm`` default: the dims reversed); a segment that reads it gets it contiguous."""
+
+    def run(self, values: dict) -> dict:
+        x = values[self.inputs[0]]
+        return {self.outputs[0]: x.permute(self.attributes.get("perm", list(reversed(range(x.dim())))))}
+
+
+class _Concat(NodeStep):
+    """``Concat``, and com.microsoft's ``ConcatTraining``, which also writes each input's length along the axis."""
+
+    def run(self, values: dict) -> dict:
+        parts = [values[name] for name in self.inputs]
+        axis = self.attributes["axis"]
+        produced = {self.outputs[0]: torch.cat(parts, dim=axis)}
+        if len(self.outputs) > 1 and self.outputs[1]:
+            produced[self.outputs[1]] = torch.tensor([part.shape[axis] for part in parts], dtype=torch.int64)
+        return produced
+
+
+class _Split(NodeStep):
+    """``Split`` (and com.microsoft's ``SplitTraining``) into views, by the sizes given as the second input, else into
+    parts of ceil(size / outputs) (equal parts; opset 18's ``num_outputs``, the last one smaller)."""
+
+    def run(self, values: dict) -> dict:
+        x, axis = values[self.inputs[0]], self.attributes.get("axis", 0)
+        if len(self.inputs) > 1 and self.inputs[1]:
+            sizes = values[self.inputs[1]].tolist()
+        else:
+            sizes = -(-x.shape[axis] // len(self.outputs))
+        return {name: part for name, part in zip(self.outputs, torch.split(x, sizes, dim=axis)) if name}
+
+
 class _GlobalAveragePool(NodeStep):
     """``GlobalAveragePool`` as torch's mean over the spatial dims (what ``adaptive_avg_pool2d`` to 1x1 computes)."""
 
@@ -199,9 +232,10 @@ _FUNCTIONS = {
 _STEPS = {
     "Sum": Sum, "Identity": Sum, "Clip": _Clip, "Cast": _Cast, "Size": _Size, "Shape": _Shape, "Reshape": _Reshape,
     "Expand": _Expand, "ReduceSum": _ReduceSum, "Unsqueeze": _Unsqueeze, "Squeeze": _Squeeze,
-    "GlobalAveragePool": _GlobalAveragePool,
+    "GlobalAveragePool": _GlobalAveragePool, "Transpose": _Transpose, "Concat": _Concat, "Split": _Split,
 }  # fmt: skip
-_MICROSOFT_STEPS = {"Scale": _Scale, "BroadcastGradientArgs": _BroadcastGradientArgs}
+_MICROSOFT_STEPS = {"Scale": _Scale, "BroadcastGradientArgs": _BroadcastGradientArgs, "ConcatTraining": _Concat,
+                    "SplitTraining": _Split}  # fmt: skip
 
 
 def runs_on_torch(node: onnx.NodeProto) -> bool:

@@ -101,6 +101,9 @@ CASES = [
     _case("Scale", domain="com.microsoft", attributes={"scale_down": 1}, x=np.append(EDGES, 7.0).astype(np.float32),
           scale=np.int64(3)),
     _case("Scale", ident="double-up", domain="com.microsoft", x=np.array([7.0, 1e-300, np.inf]), scale=np.float64(3.0)),
+    _case("Transpose", attributes={"perm": [2, 0, 1]}, x=EDGES.reshape(2, 5, 2)),
+    _case("Transpose", ident="reversed", x=EDGES.reshape(1, 4, 5)),
+    _case("Concat", attributes={"axis": -1}, a=EDGES.reshape(2, 10), b=np.zeros((2, 0), np.float32), c=np.ones((2, 3), np.float32)),
     _case("Sum", a=_column(EDGES), b=_row(EDGES), c=np.float32(1.0)),
     _case("Sum", ident="growing", a=np.float32(1.0), b=_column(EDGES), c=_row(EDGES), d=np.ones((2, 1, 1), np.float32)),
     _case("Identity", x=EDGES),
@@ -109,7 +112,7 @@ SHAPE_PAIRS = [([2, 3, 5], [3, 1]), ([2, 1, 5], [3, 1]), ([1, 1], [1]), ([32, 16
                ([32, 16, 4, 4], [32, 16, 1, 1]), ([1], [2, 3]), ([], [2, 3]), ([2, 0, 3], [1, 3]), ([1, 1, 3], [1, 3])]  # fmt: skip
 
 
-def _onnx_runtime(node, inputs: dict, outputs):
+def _onnx_runtime(node, inputs: dict, outputs, opset=17):
     given = {name: value for name, value in inputs.items() if value is not None}
     graph = helper.make_graph(
         [node], "one-node",
@@ -117,7 +120,7 @@ def _onnx_runtime(node, inputs: dict, outputs):
          for name, value in given.items()],
         [helper.make_empty_tensor_value_info(name) for name in outputs],
     )  # fmt: skip
-    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    opsets = [helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)]
     model = helper.make_model(graph, opset_imports=opsets, ir_version=8)
     run = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return run.run(None, {name: np.asarray(value) for name, value in given.items()})
@@ -155,6 +158,25 @@ def test_broadcast_gradient_args_lists_the_axes_onnx_runtime_lists(a, b):
     assert [actual["a_axes"].tolist(), actual["b_axes"].tolist()] == [axes.tolist() for axes in expected]
 
 
+SPLITS = [
+    ("Split", "", {"axis": 1}, {"x": EDGES.reshape(2, 10), "split": np.array([3, 0, 7], np.int64)}, 3),
+    ("Split", "", {"axis": 0}, {"x": EDGES.reshape(4, 5)}, 2),
+    ("Split", "", {"axis": 0, "num_outputs": 3}, {"x": EDGES}, 3),  # opset 18: parts of 7, 7, 6
+    ("SplitTraining", "com.microsoft", {"axis": 0}, {"x": EDGES.reshape(10, 2), "split": np.array([2, 5, 3], np.int64)}, 3),
+    ("ConcatTraining", "com.microsoft", {"axis": 0}, {"a": EDGES.reshape(10, 2), "b": np.ones((1, 2), np.float32)}, 2),
+]
+
+
+@pytest.mark.parametrize("op_type, domain, attributes, inputs, outputs", SPLITS, ids=[f"{case[0]}-{index}" for index, case in enumerate(SPLITS)])
+def test_several_outputs_are_what_onnx_runtime_writes(op_type, domain, attributes, inputs, outputs):
+    names = [f"y{index}" for index in range(outputs)]
+    node = helper.make_node(op_type, list(inputs), names, name=op_type, domain=domain, **attributes)
+    expected = _onnx_runtime(node, inputs, names, opset=18 if "num_outputs" in attributes else 17)
+    actual = _torch_step(node, inputs)
+    for name, value in zip(names, expected):
+        assert actual[name].shape == value.shape and np.array_equal(actual[name].numpy(), value, equal_nan=True), name
+
+
 def test_shapes_that_do_not_broadcast_name_the_node():
     node = helper.make_node("BroadcastGradientArgs", ["a", "b"], ["a_axes", "b_axes"], name="Mul_Grad/args", domain="com.microsoft")
     with pytest.raises(ValueError, match=r"'Mul_Grad/args': shapes \[2, 3\] and \[4, 3\] do not broadcast"):
@@ -168,7 +190,7 @@ def test_squeezing_an_axis_of_another_size_names_the_node():
 
 
 def test_every_op_has_a_case_and_forms_that_differ_stay_with_onnx_runtime():
-    tested = {case.op_type for case in CASES} | {"BroadcastGradientArgs"}
+    tested = {case.op_type for case in CASES} | {"BroadcastGradientArgs"} | {case[0] for case in SPLITS}
     assert tested == set(torch_ops._FUNCTIONS) | set(torch_ops._STEPS) | set(torch_ops._MICROSOFT_STEPS)
     assert not torch_ops.runs_on_torch(helper.make_node("Cast", ["x"], ["y"], to=TensorProto.UINT8))
     assert not torch_ops.runs_on_torch(helper.make_node("Clip", ["x"], ["y"], min=-1.0, max=1.0))  # opset 6
