@@ -1,5 +1,5 @@
 """Gradients handed to onnxruntime-training's gradient builder for ops it has none for
-(HardSwish, and the inverse trigonometric Atan, Asin, Acos).
+(HardSwish, torch's HardSigmoid, and the inverse trigonometric Atan, Asin, Acos).
 
 The builder accepts, per op type, a gradient definition: nodes that read the forward node's
 inputs ``I(i)`` and incoming gradients ``GO(i)`` and write the gradients of its inputs
@@ -20,7 +20,7 @@ import json
 import onnx
 from onnxruntime.capi import _pybind_state as _ort
 
-from .rewrites import NodeBuilder, replace_nodes
+from .rewrites import NodeBuilder, is_torch_hard_sigmoid, replace_nodes
 
 
 def _constant(name: str, value: float):
@@ -50,6 +50,20 @@ _HARD_SWISH_GRADIENT = [
     ("Mul", ["GO(0)", "slope"], ["GI(0)"]),
 ]
 
+# torch's hardsigmoid_backward: grad / 6 strictly between the kinks, 0 at and beyond them (a HardSigmoid of
+# another alpha or beta is rewritten before the build, rewrites.hard_sigmoid)
+_HARD_SIGMOID_GRADIENT = [
+    _constant("minus_three", -3.0),
+    _constant("three", 3.0),
+    _constant("sixth", 1 / 6),
+    _constant("zero", 0.0),
+    ("Greater", ["I(0)", "minus_three"], ["above_low"]),
+    ("Less", ["I(0)", "three"], ["below_high"]),
+    ("And", ["above_low", "below_high"], ["inside"]),
+    ("Where", ["inside", "sixth", "zero"], ["slope"]),
+    ("Mul", ["GO(0)", "slope"], ["GI(0)"]),
+]
+
 # torch's: atan grad / (x * x + 1); asin grad * rsqrt(1 - x * x), acos its negative (rsqrt as 1 / sqrt)
 _ATAN_GRADIENT = [
     _constant("one", 1.0),
@@ -69,8 +83,8 @@ def _arc_sine_gradient(sign: str) -> list:
     ] + ([] if sign == "+" else [("Neg", ["positive"], ["GI(0)"])])
 
 
-GRADIENT_DEFINITIONS = {"HardSwish": _HARD_SWISH_GRADIENT, "Atan": _ATAN_GRADIENT, "Asin": _arc_sine_gradient("+"),
-                        "Acos": _arc_sine_gradient("-")}  # fmt: skip
+GRADIENT_DEFINITIONS = {"HardSwish": _HARD_SWISH_GRADIENT, "HardSigmoid": _HARD_SIGMOID_GRADIENT, "Atan": _ATAN_GRADIENT,
+                        "Asin": _arc_sine_gradient("+"), "Acos": _arc_sine_gradient("-")}  # fmt: skip
 
 _registered = set()
 
@@ -97,14 +111,27 @@ def register_gradient_definitions() -> None:
             _registered.add(op_type)
 
 
+def _clipped_x_plus_three(build: NodeBuilder):
+    """min(max(x + 3, 0), 6) of the node's input."""
+    x = build.node.input[0]
+    return build.op("Clip", [build.op("Add", [x, build.const(3.0)]), build.const(0.0), build.const(6.0)])
+
+
 def _torch_hard_swish(build: NodeBuilder):
     """x * min(max(x + 3, 0), 6) / 6, torch's hardswish in its order of operations (same rounding)."""
-    x = build.node.input[0]
-    gate = build.op("Clip", [build.op("Add", [x, build.const(3.0)]), build.const(0.0), build.const(6.0)])
-    build.op("Div", [build.op("Mul", [x, gate]), build.const(6.0)], build.node.output[0])
+    gate = _clipped_x_plus_three(build)
+    build.op("Div", [build.op("Mul", [build.node.input[0], gate]), build.const(6.0)], build.node.output[0])
 
 
-_TORCH_FORWARDS = {"HardSwish": _torch_hard_swish}
+def _torch_hard_sigmoid(build: NodeBuilder):
+    """min(max(x + 3, 0), 6) / 6, torch's hardsigmoid in its order of operations; another alpha or beta is kept
+    (rewritten before the build when it is trained, rewrites.hard_sigmoid)."""
+    if not is_torch_hard_sigmoid(build.node):
+        return False
+    build.op("Div", [_clipped_x_plus_three(build), build.const(6.0)], build.node.output[0])
+
+
+_TORCH_FORWARDS = {"HardSwish": _torch_hard_swish, "HardSigmoid": _torch_hard_sigmoid}
 
 
 def spell_forwards(model: onnx.ModelProto, keep_op_types=()) -> list:

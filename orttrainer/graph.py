@@ -57,13 +57,13 @@ _SCALED_LOSS = "orttrainer.scaled_loss"
 # and reductions (torch autocast's float32 list), besides the converter's own defaults;
 # Slice, whose gradient has no float16 CPU kernel in ONNX Runtime 1.19; and MaxPool, whose
 # float16 training graph crashes ONNX Runtime 1.19's session creation (segmentation fault);
-# HardSwish, whose forward defined_gradients spells out with float32 constants after the build;
+# HardSwish and HardSigmoid, whose forwards defined_gradients spells out with float32 constants after the build;
 # LSTM and GRU, whose training kernels in onnxruntime-training 1.19 take float32 only.
 _FLOAT32_OPS = [
     "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss", "Softmax", "LogSoftmax", "LayerNormalization",
     "BatchNormalization", "InstanceNormalization", "ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2",
     "ReduceLogSumExp", "Exp", "Log", "Pow", "Sqrt", "Reciprocal", "Div", "CumSum", "Erf", "Slice", "MaxPool", "HardSwish",
-    "LSTM", "GRU",
+    "HardSigmoid", "LSTM", "GRU",
 ]  # fmt: skip
 
 
@@ -475,7 +475,8 @@ def make_differentiable(model: onnx.ModelProto, weight_names, loss_name: str, fa
     A rewrite keeps its node's inputs and outputs, so the path found before rewriting holds after.
     """
     on_path = _nodes_between(model, weight_names, loss_name, facts)
-    without_gradient = [(node.name, describe_node(node)) for node in on_path if node.op_type in OPS_WITHOUT_GRADIENT]
+    without_gradient = [(node.name, describe_node(node)) for node in on_path
+                        if node.op_type in OPS_WITHOUT_GRADIENT and not rewrites.is_torch_hard_sigmoid(node)]  # fmt: skip
     untrainable_inputs = _untrainable_inputs(on_path, weight_names)
     try:
         rewritten = set(rewrites.rewrite_for_training(model, only_between={node.name for node in on_path}))

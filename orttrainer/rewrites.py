@@ -309,14 +309,25 @@ def selu(build):
     build.op("Mul", [inner, build.const(gamma)], _output(build))
 
 
+def is_torch_hard_sigmoid(node: onnx.NodeProto) -> bool:
+    """A HardSigmoid with torch's alpha 1/6 and beta 1/2 (``nn.Hardsigmoid``), whose gradient
+    defined_gradients.py gives the builder."""
+    alpha, beta = node_attribute(node, "alpha", 0.2), node_attribute(node, "beta", 0.5)
+    return node.op_type == "HardSigmoid" and alpha == float(np.float32(1 / 6)) and beta == 0.5
+
+
 def hard_sigmoid(build):
     """clip(alpha * x + beta, 0, 1) with torch's hardsigmoid gradient: alpha strictly between
     the kinks, 0 at and beyond them (Clip's is 1 at them); NaN gives NaN.
 
     The kinks are compared on x (at -beta/alpha and (1 - beta)/alpha, ±3 for torch), not on
     the rounded alpha * x + beta, which reaches 1 one float below 3; the line is
-    (x - low) * alpha, exact near the low kink as torch's (x + 3) / 6.
+    (x - low) * alpha, exact near the low kink as torch's (x + 3) / 6. torch's own form is
+    left as it is: its gradient is defined and its forward spelled as torch's after the build
+    (defined_gradients.py).
     """
+    if is_torch_hard_sigmoid(build.node):
+        return False
     x, alpha, beta = build.node.input[0], build.attribute("alpha", 0.2), build.attribute("beta", 0.5)
     if alpha <= 0:
         raise RewriteError(f"HardSigmoid node '{build.node.name}': alpha {alpha} <= 0 cannot be rewritten")

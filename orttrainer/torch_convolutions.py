@@ -27,13 +27,15 @@ import torch
 from onnx import helper, numpy_helper
 
 from . import defined_gradients, session, torch_ops, torch_recurrent
-from .rewrites import node_attributes
+from .rewrites import is_torch_hard_sigmoid, node_attributes
 from .torch_ops import NodeStep
 
 TORCH_OPS = ("Conv", "ConvGrad")
-# A HardSwish gradient's nodes (defined_gradients.py) collapsed into one node for torch; not an ONNX
-# Runtime op, so a graph holding it cannot run anywhere but in a SplitSession.
+# A HardSwish or HardSigmoid gradient's nodes (defined_gradients.py) collapsed into one node for torch; not
+# ONNX Runtime ops, so a graph holding one cannot run anywhere but in a SplitSession.
 HARD_SWISH_GRADIENT = "HardSwishGrad"
+HARD_SIGMOID_GRADIENT = "HardSigmoidGrad"
+_COLLAPSED_GRADIENTS = {"HardSwish": HARD_SWISH_GRADIENT, "HardSigmoid": HARD_SIGMOID_GRADIENT}
 # A MaxPoolGrad (dy, indices) that also reads its MaxPool's input, whose shape torch's kernel needs; for
 # torch only, like HARD_SWISH_GRADIENT.
 MAX_POOL_GRADIENT = "MaxPoolGradFromInput"
@@ -140,6 +142,20 @@ class _HardSwishGradient(NodeStep):
         return {self.outputs[0]: torch.ops.aten.hardswish_backward(values[self.inputs[0]], values[self.inputs[1]])}
 
 
+class _HardSigmoid(NodeStep):
+    """torch's form of ``HardSigmoid`` (``rewrites.is_torch_hard_sigmoid``) as torch's ``hardsigmoid``."""
+
+    def run(self, values: dict) -> dict:
+        return {self.outputs[0]: torch.nn.functional.hardsigmoid(values[self.inputs[0]])}
+
+
+class _HardSigmoidGradient(NodeStep):
+    """A collapsed HardSigmoid gradient (dy, x) as torch's ``hardsigmoid_backward``: one pass."""
+
+    def run(self, values: dict) -> dict:
+        return {self.outputs[0]: torch.ops.aten.hardsigmoid_backward(values[self.inputs[0]], values[self.inputs[1]])}
+
+
 class _MaxPool(NodeStep):
     """A ``MaxPool`` node as torch's ``max_pool{2,3}d_with_indices`` (1-D: as 2-D, as torch computes it),
     which takes NaN as a window's maximum where ONNX Runtime's kernel skips it. Its indices are handed
@@ -239,14 +255,16 @@ def torch_can_run(node: onnx.NodeProto) -> bool:
 
 # Ops torch computes in one pass where the segments would take several: between two convolutions
 # on torch they cost no extra boundary (benchmarks/NOTES.md §23, §26).
-STEPS_BETWEEN_CONVOLUTIONS = ("ReluGrad", "BatchNormalizationGrad", "HardSwish", HARD_SWISH_GRADIENT, "MaxPool",
-                              MAX_POOL_GRADIENT)  # fmt: skip
+STEPS_BETWEEN_CONVOLUTIONS = ("ReluGrad", "BatchNormalizationGrad", "HardSwish", HARD_SWISH_GRADIENT, "HardSigmoid",
+                              HARD_SIGMOID_GRADIENT, "MaxPool", MAX_POOL_GRADIENT)  # fmt: skip
 _JOINING_OPS = ("Identity", "Sum")  # on torch when they only pass on and add what torch computed
 _NODE_STEPS = {
     "ReluGrad": _ReluGradient,
     "BatchNormalizationGrad": _BatchNormGradient,
     "HardSwish": _HardSwish,
     HARD_SWISH_GRADIENT: _HardSwishGradient,
+    "HardSigmoid": _HardSigmoid,
+    HARD_SIGMOID_GRADIENT: _HardSigmoidGradient,
     "MaxPool": _MaxPool,
     MAX_POOL_GRADIENT: _MaxPoolGradient,
 }
@@ -256,6 +274,8 @@ def _torch_runs_between(node: onnx.NodeProto) -> bool:
     """One of the ``STEPS_BETWEEN_CONVOLUTIONS`` that torch computes as ONNX defines it."""
     if node.op_type == "MaxPool":
         return max_pool_runs_on_torch(node)
+    if node.op_type == "HardSigmoid":
+        return is_torch_hard_sigmoid(node)
     return node.op_type in STEPS_BETWEEN_CONVOLUTIONS
 
 
@@ -283,18 +303,18 @@ def torch_nodes(nodes, convolutions: bool) -> set:
     return names
 
 
-def collapse_hard_swish_gradients(model: onnx.ModelProto) -> int:
-    """Replace, in place, each HardSwish gradient's nodes (defined_gradients.py) by one
-    ``HARD_SWISH_GRADIENT`` node (dy, x) for torch; return how many.
+def collapse_defined_gradients(model: onnx.ModelProto) -> int:
+    """Replace, in place, each HardSwish or HardSigmoid gradient's nodes (defined_gradients.py) by one
+    ``HARD_SWISH_GRADIENT`` or ``HARD_SIGMOID_GRADIENT`` node (dy, x) for torch; return how many.
 
-    A group that reads anything but the HardSwish's input and one incoming gradient, or hands on
+    A group that reads anything but the forward's input and one incoming gradient, or hands on
     more than one result, is left to ONNX Runtime (it computes the same, in more passes).
     """
     nodes = list(model.graph.node)
     graph_outputs = {output.name for output in model.graph.output}
     constants = {initializer.name for initializer in model.graph.initializer}
     collapsed = {}  # id of a gradient node: the node that replaces its group (None: dropped)
-    for forward in [node for node in nodes if node.op_type == "HardSwish"]:
+    for forward in [node for node in nodes if node.op_type in _COLLAPSED_GRADIENTS]:
         group = defined_gradients.gradient_nodes(nodes, forward)
         inside = {id(node) for node in group}
         written = {name for node in group for name in node.output if name}
@@ -308,7 +328,7 @@ def collapse_hard_swish_gradients(model: onnx.ModelProto) -> int:
         for node in group:
             collapsed[id(node)] = None
         last = next(node for node in group if result in node.output)
-        collapsed[id(last)] = helper.make_node(HARD_SWISH_GRADIENT, [gradient, forward.input[0]], [result],
+        collapsed[id(last)] = helper.make_node(_COLLAPSED_GRADIENTS[forward.op_type], [gradient, forward.input[0]], [result],
                                                name=f"{forward.name}_Grad/torch", domain=_TORCH_DOMAIN)  # fmt: skip
     kept = [collapsed.get(id(node), node) for node in nodes]
     del model.graph.node[:]
@@ -455,7 +475,7 @@ class SplitSession:
     def __init__(self, model: onnx.ModelProto, open_session, convolutions: bool = True):
         self._model, self._open_session, self._convolutions = model, open_session, convolutions
         if convolutions and runs_convolutions(model.graph.node):
-            collapse_hard_swish_gradients(model)
+            collapse_defined_gradients(model)
             attach_max_pool_inputs(model)
         self.input_names = {graph_input.name for graph_input in model.graph.input}
         self.output_names = [output.name for output in model.graph.output]

@@ -74,6 +74,14 @@ def test_defined_gradient(op_type):
     assert any(node.name.startswith(f"{op_type}_Grad/") for node in train.graph.node), f"{op_type}'s gradient is not the definition"
 
 
+def test_torchs_hard_sigmoid_trains_through_its_gradient_definition():
+    """alpha 1/6, beta 1/2: the builder's gradient is the definition's (rewrites.is_torch_hard_sigmoid), the forward
+    spelled after the build; other forms are rewritten before it (test_rewrites)."""
+    attributes, function, extra = UNARY["HardSigmoid"]
+    train = _unary_case("HardSigmoid", attributes, function, edge_values(*extra))
+    assert any(node.name.startswith("HardSigmoid_Grad/") for node in train.graph.node)
+
+
 @pytest.mark.parametrize("op_type", DOMAIN)
 def test_rewrite_on_its_domain(op_type):
     function, values = DOMAIN[op_type]

@@ -195,7 +195,7 @@ def test_auto_splits_when_the_first_batch_gives_each_convolution_enough_work(mak
     assert isinstance(_last_runtime(trainer).train_session, split.SplitSession) == split_expected
 
 
-def test_mobilenet_trains_like_torch_with_hardswish_and_its_gradient_on_torch():
+def test_mobilenet_trains_like_torch_with_hardswish_hardsigmoid_and_their_gradients_on_torch():
     """SGD: a block's output bias feeds the next block's BatchNorm, so its exact gradient is 0 and what
     each side computes is rounding noise, which Adam would scale up to a full step."""
     torch.manual_seed(0)
@@ -208,7 +208,10 @@ def test_mobilenet_trains_like_torch_with_hardswish_and_its_gradient_on_torch():
     on_torch = [node.op_type for node in session._model.graph.node if node.name in session.on_torch]
     hard_swishes = sum(isinstance(module, nn.Hardswish) for module in reference.modules())
     assert on_torch.count("HardSwish") == on_torch.count(split.HARD_SWISH_GRADIENT) == hard_swishes
-    assert not any("HardSwish_Grad/" in node.name and node.name not in session.on_torch for node in session._model.graph.node)
+    gates = sum(isinstance(module, zoo.SqueezeExcite) for module in reference.modules())  # F.hardsigmoid in each
+    assert on_torch.count("HardSigmoid") == on_torch.count(split.HARD_SIGMOID_GRADIENT) == gates > 0
+    assert not any(kind in node.name and node.name not in session.on_torch for node in session._model.graph.node
+                   for kind in ("HardSwish_Grad/", "HardSigmoid_Grad/"))  # fmt: skip
     _assert_evaluates_like(trainer, reference, *zoo.image_batch(3, generator=generator))
 
 
@@ -239,7 +242,7 @@ def test_hard_swish_gradient_nodes_collapse_only_when_they_read_x_and_dy_and_han
                               [helper.make_tensor_value_info(name, TensorProto.FLOAT, [2]) for name in ("x", "dy")],
                               [helper.make_empty_tensor_value_info(name) for name in outputs], constants)  # fmt: skip
     model = helper.make_model(graph)
-    collapsed = split.collapse_hard_swish_gradients(model)
+    collapsed = split.collapse_defined_gradients(model)
     kinds = [node.op_type for node in model.graph.node]
     if also_read:
         assert collapsed == 0 and len(kinds) == 1 + len(gradient) + 1
@@ -343,24 +346,29 @@ def test_boundary_values_pass_through_the_torch_convolutions_as_in_torch(value, 
                                        msg=lambda m: f"{dtype} {name}: {m}")  # fmt: skip
 
 
-class ShiftedHardswish(nn.Module):
-    """hardswish(x + shift) -> 1x1 conv: with one image, the shift's gradient is hardswish's input gradient
-    (torch's ``hardswish_backward`` in the split) and the conv's weight gradient reads its output."""
+class ShiftedActivation(nn.Module):
+    """activation(x + shift) -> 1x1 conv: with one image, the shift's gradient is the activation's input gradient
+    (torch's ``hardswish_backward`` or ``hardsigmoid_backward`` in the split) and the conv's weight gradient reads
+    its output."""
 
-    def __init__(self, shape):
+    def __init__(self, shape, activation):
         super().__init__()
         self.shift = nn.Parameter(torch.zeros(shape))
         self.conv = nn.Conv2d(shape[0], 2, 1)
+        self.activation = activation
 
     def forward(self, x):
-        return self.conv(F.hardswish(x + self.shift)).flatten(1)
+        return self.conv(self.activation(x + self.shift)).flatten(1)
 
 
-def test_hardswish_on_torch_at_its_kinks_and_edges_gives_torchs_values_and_gradients():
+@pytest.mark.parametrize("activation, forward, gradient", [(F.hardswish, "HardSwish", split.HARD_SWISH_GRADIENT),
+                                                           (F.hardsigmoid, "HardSigmoid", split.HARD_SIGMOID_GRADIENT)],
+                         ids=["hardswish", "hardsigmoid"])  # fmt: skip
+def test_activations_on_torch_at_their_kinks_and_edges_give_torchs_values_and_gradients(activation, forward, gradient):
     values = edge_values(*KINKS, *spread(1e-3, 10))
     images = torch.from_numpy(values).reshape(1, 1, -1, 1)
     torch.manual_seed(0)
-    model = ShiftedHardswish(images.shape[1:])
+    model = ShiftedActivation(images.shape[1:], activation)
     initial = copy.deepcopy(model.state_dict())
     upstream = torch.from_numpy(upstream_like((1, 2 * len(values))))
     references = {dtype: copy.deepcopy(model).to(dtype) for dtype in (torch.float32, torch.float64)}
@@ -370,8 +378,7 @@ def test_hardswish_on_torch_at_its_kinks_and_edges_gives_torchs_values_and_gradi
                          options=kernels("torch", debug={"check_against_torch": "off"}))  # fmt: skip
     trainer.train_step(images, upstream)
     session = _last_runtime(trainer).train_session
-    assert {split.HARD_SWISH_GRADIENT, "HardSwish"} <= {node.op_type for node in session._model.graph.node
-                                                        if node.name in session.on_torch}  # fmt: skip
+    assert {gradient, forward} <= {node.op_type for node in session._model.graph.node if node.name in session.on_torch}
     state = trainer.state_dict(pytorch_format=True)
     for name, parameter in references[torch.float32].named_parameters():  # torch's own float32 kernels: equal
         torch.testing.assert_close(initial[name] - state[name], parameter.grad, atol=0, rtol=0, equal_nan=True,
@@ -383,7 +390,7 @@ def test_hardswish_on_torch_at_its_kinks_and_edges_gives_torchs_values_and_gradi
 
 
 class ShiftedMaxPool(nn.Module):
-    """max_pool(x + shift) -> 1x1 conv, as ShiftedHardswish: the shift's gradient is the pooling's input gradient."""
+    """max_pool(x + shift) -> 1x1 conv, as ShiftedActivation: the shift's gradient is the pooling's input gradient."""
 
     def __init__(self, shape, pool):
         super().__init__()
