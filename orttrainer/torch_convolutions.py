@@ -20,6 +20,7 @@ The split session has :class:`~orttrainer.session.TorchBoundSession`'s interface
 trainer does not know which one it runs.
 """
 
+import functools
 import heapq
 
 import onnx
@@ -28,7 +29,7 @@ from onnx import helper, numpy_helper
 
 from . import defined_gradients, session, torch_ops, torch_recurrent
 from .rewrites import is_torch_hard_sigmoid, node_attributes
-from .torch_ops import NodeStep
+from .torch_ops import FunctionStep, NodeStep
 
 TORCH_OPS = ("Conv", "ConvGrad")
 # A HardSwish or HardSigmoid gradient's nodes (defined_gradients.py) collapsed into one node for torch; not
@@ -109,14 +110,6 @@ class _Convolution:
         return {name: gradient for name, gradient, needed in zip(self.outputs, (dx, dw, db), wanted) if needed}
 
 
-class _ReluGradient(NodeStep):
-    """A ``ReluGrad`` node (dy, the ReLU's input or output) as torch's ``threshold_backward``:
-    dy where not x <= 0, NaN included; one pass, where ONNX Runtime's exact spelling takes three."""
-
-    def run(self, values: dict) -> dict:
-        return {self.outputs[0]: torch.ops.aten.threshold_backward(values[self.inputs[0]], values[self.inputs[1]], 0)}
-
-
 class _BatchNormGradient(NodeStep):
     """A training ``BatchNormalizationGrad`` node (dy, x, scale, the forward's saved mean and inverse
     standard deviation) as torch's ``native_batch_norm_backward``, the call of torch's autograd."""
@@ -126,34 +119,6 @@ class _BatchNormGradient(NodeStep):
         wanted = [index < len(self.outputs) and bool(self.outputs[index]) for index in range(3)]
         gradients = torch.ops.aten.native_batch_norm_backward(dy, x, scale, None, None, mean, inverse_std, True, 0.0, wanted)
         return {name: gradient for name, gradient, needed in zip(self.outputs, gradients, wanted) if needed}
-
-
-class _HardSwish(NodeStep):
-    """A ``HardSwish`` node as torch's ``hardswish`` (whose rounding ONNX Runtime's kernel does not share)."""
-
-    def run(self, values: dict) -> dict:
-        return {self.outputs[0]: torch.nn.functional.hardswish(values[self.inputs[0]])}
-
-
-class _HardSwishGradient(NodeStep):
-    """A collapsed HardSwish gradient (dy, x) as torch's ``hardswish_backward``: one pass."""
-
-    def run(self, values: dict) -> dict:
-        return {self.outputs[0]: torch.ops.aten.hardswish_backward(values[self.inputs[0]], values[self.inputs[1]])}
-
-
-class _HardSigmoid(NodeStep):
-    """torch's form of ``HardSigmoid`` (``rewrites.is_torch_hard_sigmoid``) as torch's ``hardsigmoid``."""
-
-    def run(self, values: dict) -> dict:
-        return {self.outputs[0]: torch.nn.functional.hardsigmoid(values[self.inputs[0]])}
-
-
-class _HardSigmoidGradient(NodeStep):
-    """A collapsed HardSigmoid gradient (dy, x) as torch's ``hardsigmoid_backward``: one pass."""
-
-    def run(self, values: dict) -> dict:
-        return {self.outputs[0]: torch.ops.aten.hardsigmoid_backward(values[self.inputs[0]], values[self.inputs[1]])}
 
 
 class _MaxPool(NodeStep):
@@ -258,13 +223,24 @@ def torch_can_run(node: onnx.NodeProto) -> bool:
 STEPS_BETWEEN_CONVOLUTIONS = ("ReluGrad", "BatchNormalizationGrad", "HardSwish", HARD_SWISH_GRADIENT, "HardSigmoid",
                               HARD_SIGMOID_GRADIENT, "MaxPool", MAX_POOL_GRADIENT)  # fmt: skip
 _JOINING_OPS = ("Identity", "Sum")  # on torch when they only pass on and add what torch computed
+
+
+def _torch_function(function):
+    """Steps for nodes whose inputs, in order, are ``function``'s."""
+    return functools.partial(FunctionStep, function=function)
+
+
 _NODE_STEPS = {
-    "ReluGrad": _ReluGradient,
+    # ReluGrad (dy, the ReLU's input or output): dy where not x <= 0, NaN included; one pass, where ONNX
+    # Runtime's exact spelling takes three
+    "ReluGrad": _torch_function(lambda dy, x: torch.ops.aten.threshold_backward(dy, x, 0)),
     "BatchNormalizationGrad": _BatchNormGradient,
-    "HardSwish": _HardSwish,
-    HARD_SWISH_GRADIENT: _HardSwishGradient,
-    "HardSigmoid": _HardSigmoid,
-    HARD_SIGMOID_GRADIENT: _HardSigmoidGradient,
+    # torch's rounding, which ONNX Runtime's kernels do not share (HardSigmoid: torch's form only,
+    # rewrites.is_torch_hard_sigmoid), and torch's one-pass gradients of the collapsed groups (dy, x)
+    "HardSwish": _torch_function(torch.nn.functional.hardswish),
+    HARD_SWISH_GRADIENT: _torch_function(torch.ops.aten.hardswish_backward),
+    "HardSigmoid": _torch_function(torch.nn.functional.hardsigmoid),
+    HARD_SIGMOID_GRADIENT: _torch_function(torch.ops.aten.hardsigmoid_backward),
     "MaxPool": _MaxPool,
     MAX_POOL_GRADIENT: _MaxPoolGradient,
 }

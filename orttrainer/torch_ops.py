@@ -47,7 +47,7 @@ class Sum(NodeStep):
         return {self.outputs[0]: total}
 
 
-class _Function(NodeStep):
+class FunctionStep(NodeStep):
     """A node whose ONNX op is one torch function of its inputs (numpy broadcasting on both sides)."""
 
     def __init__(self, node: onnx.NodeProto, function):
@@ -255,6 +255,6 @@ def runs_on_torch(node: onnx.NodeProto) -> bool:
 def step(node: onnx.NodeProto) -> NodeStep:
     """The torch step for a node ``runs_on_torch`` accepts."""
     if node.op_type in _FUNCTIONS and node.domain != "com.microsoft":
-        return _Function(node, _FUNCTIONS[node.op_type])
+        return FunctionStep(node, _FUNCTIONS[node.op_type])
     steps = _MICROSOFT_STEPS if node.domain == "com.microsoft" else _STEPS
     return steps[node.op_type](node)
