@@ -457,6 +457,7 @@ class SplitSession:
         self.output_names = [output.name for output in model.graph.output]
         self._inputs, self._bound_outputs, self._allocated = {}, {}, []
         self._recordings = {}  # what a recurrent layer's forward step leaves for its gradient step
+        self._folded = torch_recurrent.fold_gate_reordering(model)  # {forward node name: roles in torch's layout}
         self.on_torch = torch_nodes(model.graph.node, convolutions)
         self._plan()
         read_on_torch = {name for step in self._steps if not isinstance(step, _Segment) for name in step.inputs}
@@ -499,8 +500,9 @@ class SplitSession:
             return torch_ops.step(node)
         if node.op_type == kind.inference:
             return torch_recurrent.RecurrentInference(node)
-        step = torch_recurrent.RecurrentForward if node.op_type == kind.forward else torch_recurrent.RecurrentBackward
-        return step(node, self._recordings)
+        if node.op_type == kind.forward:
+            return torch_recurrent.RecurrentForward(node, self._recordings, self._folded.get(node.name, ()))
+        return torch_recurrent.RecurrentBackward(node, self._recordings)
 
     def _segment(self, nodes, inputs, outputs) -> _Segment:
         all_threads = not self._convolutions or any(node.op_type in TORCH_OPS for node in nodes)

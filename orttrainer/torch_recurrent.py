@@ -14,13 +14,16 @@ ONNX orders the gates of an LSTM input, output, forget, cell (torch: i, f, g, o)
 update, reset, hidden (torch: r, z, n), and lays outputs out as [sequence, direction, batch,
 hidden] (torch: [sequence, batch, direction * hidden]). The forward step reorders the weights into
 torch's layout and records the layer on those; the gradient step reorders their gradients back
-into ONNX's. The outputs' layout conversion happens inside the recorded computation.
+into ONNX's. The exporter's own reordering of a one-direction layer's W and R (and its gradient's)
+is taken out of the graph first (``fold_gate_reordering``), so those reach the steps as torch's
+weights. The outputs' layout conversion happens inside the recorded computation.
 """
 
 from dataclasses import dataclass
 
 import onnx
 import torch
+from onnx import numpy_helper
 
 from .rewrites import node_attributes
 
@@ -49,6 +52,7 @@ GRU = _Kind("GRU", "GRUTraining", "GRUGrad", ("X", "W", "R", "B", "sequence_lens
 KINDS = {op_type: kind for kind in (LSTM, GRU) for op_type in (kind.inference, kind.forward, kind.backward)}
 _DIRECTIONS = ("forward", "reverse", "bidirectional")
 _WEIGHTS = ("W", "R", "B")  # the roles whose gradients the gradient step reorders from torch's layout
+_FOLDED = ("W", "R")  # the roles whose exporter reordering fold_gate_reordering takes out
 
 
 def _named(names, roles) -> dict:
@@ -112,36 +116,134 @@ def torch_nodes(nodes) -> set:
     return names | {node.name for node in nodes if node.op_type in (LSTM.inference, GRU.inference) and torch_can_run(node)}
 
 
+def fold_gate_reordering(model: onnx.ModelProto) -> dict:
+    """Take out, in place, the exporter's gate reordering of each one-direction training pair's W and R
+    (``Split`` of torch's weight, ``Concat``/``ConcatTraining`` in ONNX's gate order, ``Unsqueeze``) and its
+    gradient (``Squeeze``, ``SplitTraining``, ``Concat`` back into torch's order): both pair nodes then read
+    torch's weight itself and the gradient node writes its gradient, so the torch steps do not reorder what
+    the graph reordered (benchmarks/NOTES.md §35). Returns {forward node name: the roles folded}.
+
+    A chain whose values anything else reads, or whose order is not exactly the gate reordering, is kept.
+    """
+    nodes = list(model.graph.node)
+    producers = {name: node for node in nodes for name in node.output if name}
+    readers = {}
+    for node in nodes:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    constants = {init.name: numpy_helper.to_array(init) for init in model.graph.initializer}
+    folded, dropped = {}, set()
+    for forward_name, backward in pairs(nodes).items():
+        forward = next(node for node in nodes if node.name == forward_name)
+        if _attributes(forward)["direction"] == "bidirectional":
+            continue
+        kind, hidden = KINDS[forward.op_type], _attributes(forward)["hidden_size"]
+        for role in _FOLDED:
+            chain = _weight_chain(forward, backward, role, kind, hidden, producers, readers, constants)
+            if chain is None:
+                continue
+            weight, gradient_output, chain_nodes = chain
+            reordered = forward.input[kind.forward_inputs.index(role)]
+            for node in (forward, backward):
+                for index, name in enumerate(node.input):
+                    if name == reordered:
+                        node.input[index] = weight
+            backward.output[kind.gradient_outputs.index(role)] = gradient_output
+            dropped |= {id(node) for node in chain_nodes}
+            folded.setdefault(forward_name, set()).add(role)
+    kept = [node for node in nodes if id(node) not in dropped]
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+    return folded
+
+
+def _weight_chain(forward, backward, role, kind, hidden, producers, readers, constants):
+    """(torch's weight, its gradient's name, the chain's nodes) of ``role``'s reordering, or None."""
+    name = forward.input[kind.forward_inputs.index(role)]
+    unsqueeze = producers.get(name)
+    if unsqueeze is None or unsqueeze.op_type != "Unsqueeze" or _axes(unsqueeze, constants) != [0]:
+        return None
+    concat = producers.get(unsqueeze.input[0])
+    if concat is None or concat.op_type not in ("Concat", "ConcatTraining") or node_attributes(concat).get("axis") != 0:
+        return None
+    split = producers.get(concat.input[0])
+    if split is None or split.op_type != "Split" or node_attributes(split).get("axis", 0) != 0 or set(concat.input) != set(split.output):
+        return None
+    sizes = constants.get(split.input[1]) if len(split.input) > 1 else node_attributes(split).get("split")
+    if sizes is None:
+        return None
+    starts = dict(zip(split.output, [sum(list(sizes)[:index]) for index in range(len(sizes))]))
+    rows = [row for part in concat.input for row in range(starts[part], starts[part] + int(dict(zip(split.output, sizes))[part]))]
+    torch_gate_of = [kind.gates.index(position) for position in range(len(kind.gates))]  # ONNX chunk -> torch gate
+    if rows != [gate * hidden + row for gate in torch_gate_of for row in range(hidden)]:
+        return None
+    gradient = backward.output[kind.gradient_outputs.index(role)]
+    squeeze = _only_reader(gradient, readers)
+    splitting = _only_reader(squeeze.output[0], readers) if squeeze is not None and squeeze.op_type == "Squeeze" else None
+    if splitting is None or splitting.op_type not in ("Split", "SplitTraining") or list(splitting.output) != [f"{part}_grad" for part in concat.input]:
+        return None
+    joining = _only_reader(splitting.output[0], readers)
+    if joining is None or joining.op_type != "Concat" or list(joining.input) != [f"{part}_grad" for part in split.output]:
+        return None
+    if any(_only_reader(part, readers) is not joining for part in splitting.output):
+        return None
+    chain = [unsqueeze, concat, split, squeeze, splitting, joining]
+    inside = {id(node) for node in chain} | {id(forward), id(backward)}
+    values = [unsqueeze.output[0], concat.output[0], *split.output]
+    if any(id(reader) not in inside for value in values for reader in readers.get(value, [])):
+        return None  # the reordered weight or its parts are read elsewhere
+    if any(id(reader) not in inside for value in concat.output[1:] if value for reader in readers.get(value, [])):
+        return None
+    return split.input[0], joining.output[0], chain
+
+
+def _axes(node, constants):
+    axes = constants.get(node.input[1]) if len(node.input) > 1 else node_attributes(node).get("axes")
+    return None if axes is None else [int(axis) for axis in axes]
+
+
+def _only_reader(name, readers):
+    found = readers.get(name, [])
+    return found[0] if len(found) == 1 else None
+
+
 def _reordered(tensor: torch.Tensor, order, out=None) -> torch.Tensor:
     """``tensor``'s gate chunks along dimension 0, chunk ``order[k]`` at position k."""
     chunks = tensor.chunk(len(order))
     return torch.cat([chunks[index] for index in order], out=out)
 
 
-def torch_parameters(kind: _Kind, w, r, b, hidden: int) -> list:
-    """ONNX's W, R[, B] as torch's flat weight list (per direction: w_ih, w_hh[, b_ih, b_hh]), gates in torch's order."""
+def torch_parameters(kind: _Kind, w, r, b, hidden: int, folded=()) -> list:
+    """ONNX's W, R[, B] as torch's flat weight list (per direction: w_ih, w_hh[, b_ih, b_hh]), gates in torch's order.
+
+    The ``folded`` roles (``fold_gate_reordering``, one direction) are torch's weights already: handed on as they are.
+    """
     gates = len(kind.gates)
     parameters = []
-    for index in range(w.shape[0]):
-        parameters += [_reordered(w[index], kind.gates), _reordered(r[index], kind.gates)]
+    for index in range(1 if folded else w.shape[0]):
+        parameters += [weight.detach() if role in folded else _reordered(weight[index], kind.gates)
+                       for role, weight in (("W", w), ("R", r))]  # fmt: skip
         if b is not None:
             biases = (b[index, : gates * hidden], b[index, gates * hidden :])
             parameters += [_reordered(bias, kind.gates) for bias in biases]
     return parameters
 
 
-def onnx_parameter_gradients(kind: _Kind, gradients, with_bias: bool) -> dict:
-    """The gradients of :func:`torch_parameters`' list in ONNX's layout: {"W": ..., "R": ...[, "B": ...]}."""
+def onnx_parameter_gradients(kind: _Kind, gradients, with_bias: bool, folded=()) -> dict:
+    """The gradients of :func:`torch_parameters`' list in ONNX's layout: {"W": ..., "R": ...[, "B": ...]}; those of the
+    ``folded`` roles in torch's, as torch computed them."""
     onnx_order = [kind.gates.index(position) for position in range(len(kind.gates))]
     per_direction = 4 if with_bias else 2
     directions = [gradients[start : start + per_direction] for start in range(0, len(gradients), per_direction)]
     first = directions[0]
-    result = {"W": first[0].new_empty(len(directions), *first[0].shape), "R": first[1].new_empty(len(directions), *first[1].shape)}
+    result = {role: first[index] if role in folded else first[index].new_empty(len(directions), *first[index].shape)
+              for index, role in enumerate(("W", "R"))}  # fmt: skip
     if with_bias:
         result["B"] = first[2].new_empty(len(directions), 2 * first[2].shape[0])
     for index, (w, r, *biases) in enumerate(directions):
-        _reordered(w, onnx_order, out=result["W"][index])
-        _reordered(r, onnx_order, out=result["R"][index])
+        for role, gradient in (("W", w), ("R", r)):
+            if role not in folded:
+                _reordered(gradient, onnx_order, out=result[role][index])
         for half, bias in zip(result["B"][index].chunk(2) if with_bias else (), biases):
             _reordered(bias, onnx_order, out=half)
     return result
@@ -200,21 +302,21 @@ class RecurrentForward(RecurrentInference):
     (benchmarks/NOTES.md §34).
     """
 
-    def __init__(self, node: onnx.NodeProto, recordings: dict):
+    def __init__(self, node: onnx.NodeProto, recordings: dict, folded=()):
         super().__init__(node)
-        self.recordings = recordings
+        self.recordings, self.folded = recordings, folded
 
     def run(self, values: dict) -> dict:
         tensors = {role: values[name] for role, name in self.roles.items()}
         with torch.no_grad():
-            parameters = torch_parameters(self.kind, tensors["W"], tensors["R"], tensors.get("B"), self.hidden)
+            parameters = torch_parameters(self.kind, tensors["W"], tensors["R"], tensors.get("B"), self.hidden, self.folded)
         with torch.enable_grad():
             leaves = {role: tensor.detach().requires_grad_() for role, tensor in tensors.items() if role not in _WEIGHTS}
             for parameter in parameters:
                 parameter.requires_grad_()
             results = _run_layer(self.kind, leaves["X"], parameters, "B" in tensors, self._states(leaves), self.direction,
                                 self.hidden)  # fmt: skip
-        self.recordings[self.node.output[-1]] = (leaves, parameters, "B" in tensors, results)
+        self.recordings[self.node.output[-1]] = (leaves, parameters, "B" in tensors, self.folded, results)
         produced = dict(zip(self.node.output[: self.kind.results], (result.detach() for result in results)))
         placeholder = tensors["X"].new_empty(0)  # states and gate activations: read only by the gradient step
         produced.update({name: placeholder for name in self.node.output[self.kind.results :]})
@@ -232,7 +334,7 @@ class RecurrentBackward:
         self.targets = _named(node.output, self.kind.gradient_outputs)  # {forward input role: gradient output name}
 
     def run(self, values: dict) -> dict:
-        leaves, parameters, with_bias, results = self.recordings.pop(self.roles[self.kind.activations])
+        leaves, parameters, with_bias, folded, results = self.recordings.pop(self.roles[self.kind.activations])
         upstream_roles = ("grad_Y", "grad_Y_h", "grad_Y_c")[: self.kind.results]
         upstream = [(result, values[self.roles[role]]) for result, role in zip(results, upstream_roles) if role in self.roles]
         # pairs(): the forward has every input whose gradient this node writes
@@ -244,6 +346,6 @@ class RecurrentBackward:
         produced = {name: torch.zeros_like(leaf) if gradient is None else gradient
                     for (name, leaf), gradient in zip(wanted, gradients)}  # fmt: skip
         if weights:
-            reordered = onnx_parameter_gradients(self.kind, gradients[len(wanted) :], with_bias)
+            reordered = onnx_parameter_gradients(self.kind, gradients[len(wanted) :], with_bias, folded)
             produced.update({name: reordered[role] for role, name in weights.items()})
         return produced

@@ -75,6 +75,28 @@ def test_recurrent_layer_trains_like_torch_on_torchs_kernels(layer, name):
     assert on_torch == {kind.forward, kind.backward}, on_torch
 
 
+@pytest.mark.parametrize("layer", [nn.LSTM, nn.GRU], ids=["lstm", "gru"])
+@pytest.mark.parametrize("name", SETTINGS)
+def test_the_exporters_gate_reordering_is_folded_for_one_direction(layer, name):
+    """A one-direction layer's W and R reach the torch steps as torch's weights (the exporter's Split/Concat and its
+    gradient's SplitTraining/Concat taken out), and their gradients leave as torch computed them; a bidirectional
+    layer keeps the reordering. Both train like torch (the parity test above)."""
+    settings = {**SETTINGS[name], "layer": layer}
+    torch.manual_seed(0)
+    trainer, _ = run_parity(Tagger(**settings), _batches([(4, 9), (3, 6)]), optim.SGDConfig(lr=0.5),
+                            functools.partial(torch.optim.SGD, lr=0.5), loss_fn=_loss)  # fmt: skip
+    session = list(trainer._graphs._graphs.values())[-1].runtime.train_session
+    kind = LSTM if layer is nn.LSTM else GRU
+    forwards = [node for node in session._model.graph.node if node.op_type == kind.forward]
+    if settings.get("bidirectional"):
+        assert session._folded == {}
+        return
+    assert session._folded == {forwards[0].name: {"W", "R"}}
+    assert list(forwards[0].input[1:3]) == ["lstm.weight_ih_l0", "lstm.weight_hh_l0"]
+    reordering = [node.op_type for node in session._model.graph.node if node.op_type in ("Split", "SplitTraining")]
+    assert len(reordering) == (5 if settings.get("bias", True) else 0)  # the biases' reordering is kept (2 + 3)
+
+
 def test_recurrent_layers_run_on_torch_when_convolutions_are_left_to_onnx_runtime():
     """``utils.convolution_kernels: "onnxruntime"`` concerns convolutions only."""
     torch.manual_seed(0)
