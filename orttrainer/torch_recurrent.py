@@ -159,7 +159,23 @@ def fold_gate_reordering(model: onnx.ModelProto) -> dict:
 
 def _weight_chain(forward, backward, role, kind, hidden, producers, readers, constants):
     """(torch's weight, its gradient's name, the chain's nodes) of ``role``'s reordering, or None."""
-    name = forward.input[kind.forward_inputs.index(role)]
+    reordering = _forward_reordering(forward.input[kind.forward_inputs.index(role)], kind, hidden, producers, constants)
+    if reordering is None:
+        return None
+    unsqueeze, concat, split = reordering
+    back = _gradient_reordering(backward.output[kind.gradient_outputs.index(role)], concat, split, readers)
+    if back is None:
+        return None
+    chain = [unsqueeze, concat, split, *back]
+    inside = {id(node) for node in chain} | {id(forward), id(backward)}
+    values = [*unsqueeze.output, *concat.output, *split.output]
+    if any(id(reader) not in inside for value in values if value for reader in readers.get(value, [])):
+        return None  # the reordered weight, its parts or their lengths are read elsewhere
+    return split.input[0], back[-1].output[0], chain
+
+
+def _forward_reordering(name, kind, hidden, producers, constants):
+    """(Unsqueeze, Concat, Split) writing ``name`` as torch's weight's rows in ONNX's gate order, or None."""
     unsqueeze = producers.get(name)
     if unsqueeze is None or unsqueeze.op_type != "Unsqueeze" or _axes(unsqueeze, constants) != [0]:
         return None
@@ -167,34 +183,37 @@ def _weight_chain(forward, backward, role, kind, hidden, producers, readers, con
     if concat is None or concat.op_type not in ("Concat", "ConcatTraining") or node_attributes(concat).get("axis") != 0:
         return None
     split = producers.get(concat.input[0])
-    if split is None or split.op_type != "Split" or node_attributes(split).get("axis", 0) != 0 or set(concat.input) != set(split.output):
+    if split is None or split.op_type != "Split" or node_attributes(split).get("axis", 0) != 0:
         return None
     sizes = constants.get(split.input[1]) if len(split.input) > 1 else node_attributes(split).get("split")
-    if sizes is None:
+    if sizes is None or set(concat.input) != set(split.output):
         return None
-    starts = dict(zip(split.output, [sum(list(sizes)[:index]) for index in range(len(sizes))]))
-    rows = [row for part in concat.input for row in range(starts[part], starts[part] + int(dict(zip(split.output, sizes))[part]))]
+    starts = [sum(int(size) for size in sizes[:index]) for index in range(len(sizes))]
+    rows_of = {part: range(start, start + int(size)) for part, start, size in zip(split.output, starts, sizes)}
+    rows = [row for part in concat.input for row in rows_of[part]]
     torch_gate_of = [kind.gates.index(position) for position in range(len(kind.gates))]  # ONNX chunk -> torch gate
     if rows != [gate * hidden + row for gate in torch_gate_of for row in range(hidden)]:
         return None
-    gradient = backward.output[kind.gradient_outputs.index(role)]
+    return unsqueeze, concat, split
+
+
+def _gradient_reordering(gradient, concat, split, readers):
+    """(Squeeze, Split, Concat): the builder's gradient of the forward reordering, from ONNX's layout back to
+    torch's (its names are the builder's: '<value>_grad'), or None."""
     squeeze = _only_reader(gradient, readers)
-    splitting = _only_reader(squeeze.output[0], readers) if squeeze is not None and squeeze.op_type == "Squeeze" else None
-    if splitting is None or splitting.op_type not in ("Split", "SplitTraining") or list(splitting.output) != [f"{part}_grad" for part in concat.input]:
+    if squeeze is None or squeeze.op_type != "Squeeze":
+        return None
+    splitting = _only_reader(squeeze.output[0], readers)
+    if splitting is None or splitting.op_type not in ("Split", "SplitTraining"):
+        return None
+    if list(splitting.output) != [f"{part}_grad" for part in concat.input]:
         return None
     joining = _only_reader(splitting.output[0], readers)
     if joining is None or joining.op_type != "Concat" or list(joining.input) != [f"{part}_grad" for part in split.output]:
         return None
     if any(_only_reader(part, readers) is not joining for part in splitting.output):
         return None
-    chain = [unsqueeze, concat, split, squeeze, splitting, joining]
-    inside = {id(node) for node in chain} | {id(forward), id(backward)}
-    values = [unsqueeze.output[0], concat.output[0], *split.output]
-    if any(id(reader) not in inside for value in values for reader in readers.get(value, [])):
-        return None  # the reordered weight or its parts are read elsewhere
-    if any(id(reader) not in inside for value in concat.output[1:] if value for reader in readers.get(value, [])):
-        return None
-    return split.input[0], joining.output[0], chain
+    return squeeze, splitting, joining
 
 
 def _axes(node, constants):
