@@ -97,6 +97,32 @@ def test_the_exporters_gate_reordering_is_folded_for_one_direction(layer, name):
     assert len(reordering) == (5 if settings.get("bias", True) else 0)  # the biases' reordering is kept (2 + 3)
 
 
+def test_a_reordering_read_elsewhere_or_in_another_order_is_kept(monkeypatch):
+    """The fold's guards, on the training graph it was handed: a reordered W that another node reads, and an R
+    concatenated in an order that is not the gate permutation, stay in the graph; the other weight is folded."""
+    import copy
+
+    from orttrainer import torch_recurrent
+
+    handed = []
+    fold = torch_recurrent.fold_gate_reordering
+    monkeypatch.setattr(torch_recurrent, "fold_gate_reordering", lambda model: handed.append(copy.deepcopy(model)) or fold(model))
+    torch.manual_seed(0)
+    trainer = ORTTrainer(Tagger(), None, optim.SGDConfig(lr=0.5), loss_fn=_loss, options=cpu_options())
+    trainer.train_step(*_batches([(4, 9)])[0])
+    graph = handed[0].graph
+    forward = next(node for node in graph.node if node.op_type == LSTM.forward)
+    graph.node.append(helper.make_node("Identity", [forward.input[1]], ["w_read_elsewhere"], name="w_read_elsewhere"))
+    assert fold(copy.deepcopy(handed[0])) == {forward.name: {"R"}}
+
+    model = copy.deepcopy(handed[0])
+    del model.graph.node[-1]
+    producers = {name: node for node in model.graph.node for name in node.output}
+    concat = producers[producers[forward.input[2]].input[0]]  # R's Unsqueeze <- Concat
+    concat.input[0], concat.input[1] = concat.input[1], concat.input[0]
+    assert fold(model) == {forward.name: {"W"}}
+
+
 def test_recurrent_layers_run_on_torch_when_convolutions_are_left_to_onnx_runtime():
     """``utils.convolution_kernels: "onnxruntime"`` concerns convolutions only."""
     torch.manual_seed(0)
