@@ -469,12 +469,12 @@ class SplitSession:
         """Steps for the nodes in ``on_torch`` and the segments torch takes whole (``_torch_takes_whole``),
         and after each step the values no later step reads."""
         nodes = list(self._model.graph.node)
-        steps = schedule(nodes, lambda node: node.name in self.on_torch)
-        taken = _torch_takes_whole(steps)
-        while taken:  # each taken segment's neighbours may now meet in one
-            self.on_torch |= taken
+        while True:  # each taken segment's neighbours may now meet in one
             steps = schedule(nodes, lambda node: node.name in self.on_torch)
             taken = _torch_takes_whole(steps)
+            if not taken:
+                break
+            self.on_torch |= taken
         self._steps, self._released = [], []
         needed = set(self.output_names)  # read by a later step or returned
         for step in reversed(steps):

@@ -126,6 +126,10 @@ def fold_gate_reordering(model: onnx.ModelProto) -> dict:
     A chain whose values anything else reads, or whose order is not exactly the gate reordering, is kept.
     """
     nodes = list(model.graph.node)
+    found = pairs(nodes)
+    if not found:
+        return {}
+    forwards = {node.name: node for node in nodes if node.name in found}
     producers = {name: node for node in nodes for name in node.output if name}
     readers = {}
     for node in nodes:
@@ -133,8 +137,8 @@ def fold_gate_reordering(model: onnx.ModelProto) -> dict:
             readers.setdefault(name, []).append(node)
     constants = {init.name: numpy_helper.to_array(init) for init in model.graph.initializer}
     folded, dropped = {}, set()
-    for forward_name, backward in pairs(nodes).items():
-        forward = next(node for node in nodes if node.name == forward_name)
+    for forward_name, backward in found.items():
+        forward = forwards[forward_name]
         if _attributes(forward)["direction"] == "bidirectional":
             continue
         kind, hidden = KINDS[forward.op_type], _attributes(forward)["hidden_size"]
