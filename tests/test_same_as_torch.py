@@ -694,3 +694,30 @@ def test_weights_reaching_the_loss_only_through_indices_stay_as_in_torch():
                             loss_fn=F.mse_loss)  # fmt: skip
     state = trainer.state_dict(pytorch_format=True)
     assert all(torch.equal(state[f"score.{name}"], tensor) for name, tensor in score.items())
+
+
+# ------------------------------------------------------------------ clamp
+class ClampedScale(nn.Module):
+    """(x * scale) clamped below by a tensor and above by a scalar, then a classifier. With scale at 1 on the first
+    step, inputs equal to either bound are ties: torch gives x the whole gradient there (symbolics.clamp)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(8))
+        self.register_buffer("floor", torch.full((8,), 0.5))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head((x * self.scale).clamp(min=self.floor).clamp(max=2.0))
+
+
+def test_clamp_to_tensor_and_scalar_bounds_trains_as_torch_also_at_ties():
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    data = []
+    for _ in range(3):
+        x = torch.randn(6, 8, generator=generator) + 1.0
+        x[:, :2], x[:, 6:] = 0.5, 2.0  # at the bounds
+        data.append((x, torch.randint(0, 3, (6,), generator=generator)))
+    run_parity(ClampedScale(), data, optim.SGDConfig(lr=0.5), functools.partial(torch.optim.SGD, lr=0.5),
+               loss_fn=F.cross_entropy, options=cpu_options())  # fmt: skip
