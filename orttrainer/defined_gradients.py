@@ -13,6 +13,11 @@ torch's kernels will run it: between convolutions on torch, the forward node and
 nodes (``gradient_nodes``) are one torch call each (torch_convolutions.py).
 The registry is the process's: a definition is registered once, for an op type that has no
 gradient builder of its own.
+
+One gradient the builder does have is not torch's: Clip's passes at the bounds, as torch's clamp's
+does, while torch's hardtanh and relu6, exported as the same Clip, give 0 there. Their Clips are
+marked (``ZERO_GRADIENT_AT_BOUNDS``) and their gradients made strict after the build
+(``zero_gradient_at_bounds``).
 """
 
 import json
@@ -153,3 +158,31 @@ def gradient_nodes(nodes, forward: onnx.NodeProto) -> list:
     found = [node for node in nodes if node.name.startswith(prefix)]
     expected = sorted(node[0] for node in GRADIENT_DEFINITIONS[forward.op_type] if node[0] != "Constant")
     return found if sorted(node.op_type for node in found if node.op_type != "Constant") == expected else []
+
+
+ZERO_GRADIENT_AT_BOUNDS = "orttrainer: hardtanh, gradient 0 at the bounds"  # the doc_string of such a Clip
+_STRICT_COMPARISONS = {"GreaterOrEqual": ("Greater", 1), "LessOrEqual": ("Less", 2)}  # and the Clip input compared with
+
+
+def zero_gradient_at_bounds(model: onnx.ModelProto) -> None:
+    """Make the gradient of each Clip marked ``ZERO_GRADIENT_AT_BOUNDS`` torch's hardtanh_backward, in place.
+
+    The builder masks dy with (x >= low) & (x <= high); torch's hardtanh_backward with (x > low) & (x < high).
+    The two comparisons become strict: the same passes. A marked Clip on the gradient path whose gradient is
+    not the builder's two comparisons of x with its bounds is an error, never a gradient left as it was.
+    """
+    marked = {node.name: node for node in model.graph.node if node.op_type == "Clip" and node.doc_string == ZERO_GRADIENT_AT_BOUNDS}
+    comparisons = {}
+    for node in model.graph.node:
+        forward = marked.get(node.name.rpartition("_Grad/")[0])
+        if forward is not None:
+            comparisons.setdefault(forward.name, []).append(node)
+    for name, gradient in comparisons.items():
+        forward = marked[name]
+        found = [node for node in gradient if node.op_type in _STRICT_COMPARISONS
+                 and list(node.input) == [forward.input[0], forward.input[_STRICT_COMPARISONS[node.op_type][1]]]]  # fmt: skip
+        if sorted(node.op_type for node in found) != sorted(_STRICT_COMPARISONS):
+            raise RuntimeError(f"the gradient of Clip node {name!r} (a hardtanh) is not the gradient builder's comparisons "
+                               f"of its input with both bounds: {[node.op_type for node in gradient]}")  # fmt: skip
+        for node in found:
+            node.op_type = _STRICT_COMPARISONS[node.op_type][0]

@@ -29,7 +29,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm as _SpectralNormHook
 from torch.onnx import TrainingMode
 from torch.overrides import TorchFunctionMode
 
-from . import model_outputs, symbolics
+from . import defined_gradients, model_outputs, symbolics
 
 _WRAPPED = "model."  # prefix the wrapper adds to every weight name
 _TORCH_DIRECTORY = os.path.dirname(torch.__file__) + os.sep
@@ -540,8 +540,12 @@ def _strip_wrapper_prefix(model: onnx.ModelProto) -> None:
         graph_input.name = renames.get(graph_input.name, graph_input.name)
 
 
-def _resolve_embedding_markers(model: onnx.ModelProto) -> dict:
-    """Remove the embedding markers ``symbolics`` put on gather indices; return {Gather node name: EmbeddingLookup}."""
+def resolve_markers(model: onnx.ModelProto) -> dict:
+    """Resolve the marker nodes ``symbolics`` wrote; return {Gather node name: EmbeddingLookup}.
+
+    An embedding's marker on the gather indices is removed, its rules returned. A hardtanh marker
+    becomes the Clip it stands for, marked ``defined_gradients.ZERO_GRADIENT_AT_BOUNDS``.
+    """
     markers = {node.output[0]: node for node in model.graph.node if node.domain == symbolics.DOMAIN}
     lookups = {}
     for node in model.graph.node:
@@ -550,6 +554,9 @@ def _resolve_embedding_markers(model: onnx.ModelProto) -> dict:
             attributes = {attribute.name: attribute.i for attribute in marker.attribute}
             lookups[node.name] = EmbeddingLookup(attributes["padding_idx"], bool(attributes["scale_grad_by_freq"]))
             node.input[1] = marker.input[0]
+    for marker in markers.values():
+        if marker.op_type == "HardTanh":
+            marker.op_type, marker.domain, marker.doc_string = "Clip", "", defined_gradients.ZERO_GRADIENT_AT_BOUNDS
     kept = [node for node in model.graph.node if node.domain != symbolics.DOMAIN]
     del model.graph.node[:]
     model.graph.node.extend(kept)
@@ -603,7 +610,7 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
         )
     exported = onnx.load_from_string(buffer.getvalue())
     _strip_wrapper_prefix(exported)
-    lookups = _resolve_embedding_markers(exported)
+    lookups = resolve_markers(exported)
     return exported, lookups, heard.frozen_values
 
 

@@ -691,6 +691,7 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     except RuntimeError as error:
         raise _builder_error(error, optimized.graph) from error
     train_model = onnx.load_from_string(builder.get_model())
+    defined_gradients.zero_gradient_at_bounds(train_model)
     defined_gradients.spell_forwards(train_model, keep_for_torch)
     defined_gradients.spell_forwards(eval_model, keep_for_torch)
     if mixed_precision:

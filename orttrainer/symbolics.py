@@ -19,6 +19,7 @@ from . import rewrites
 from .options import MAX_OPSET, MIN_OPSET
 
 _REDUCTIONS = {0: None, 1: "ReduceMean", 2: "ReduceSum"}
+DOMAIN = "orttrainer"  # custom-domain marker nodes, which export.resolve_markers resolves right after export
 
 
 def _constant(g, value):
@@ -89,6 +90,24 @@ def clamp_min(g, x, low):
 
 def clamp_max(g, x, high):
     return clamp(g, x, None, high)
+
+
+@symbolic_helper.parse_args("v", "f", "f")
+def hardtanh(g, x, min_val, max_val):
+    """torch's hardtanh (nn.Hardtanh, nn.ReLU6, F.relu6): the Clip torch's symbolic writes, as a marker node.
+
+    Clip's gradient passes at the bounds, as torch's clamp's does; hardtanh's is 0 there. export.py turns
+    the marker into that Clip, marked for ``defined_gradients.zero_gradient_at_bounds``.
+    """
+    dtype = _type_utils.JitScalarType.from_value(x, _type_utils.JitScalarType.FLOAT).dtype()
+    bounds = [g.op("Constant", value_t=torch.tensor(bound, dtype=dtype)) for bound in (min_val, max_val)]
+    clipped = g.op(f"{DOMAIN}::HardTanh", x, *bounds)
+    clipped.setType(x.type())
+    return clipped
+
+
+def relu6(g, x):
+    return hardtanh(g, x, 0.0, 6.0)
 
 
 @symbolic_helper.parse_args("v", "f", "f")
@@ -382,8 +401,6 @@ def _unary(onnx_op):
     return symbolic
 
 
-DOMAIN = "orttrainer"  # custom-domain marker nodes export.py removes right after export
-
 
 @symbolic_helper.parse_args("v", "v", "i", "b", "v")
 def embedding(g, weight, indices, padding_idx, scale_grad_by_freq, sparse):
@@ -676,6 +693,8 @@ _SYMBOLICS = {
     "clamp": clamp,
     "clamp_min": clamp_min,
     "clamp_max": clamp_max,
+    "hardtanh": hardtanh,
+    "relu6": relu6,
     "max": _extreme("ReduceMax", symbolic_helper._max_helper),
     "min": _extreme("ReduceMin", symbolic_helper._min_helper),
     "sinh": _unary("Sinh"),

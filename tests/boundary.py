@@ -19,7 +19,7 @@ import onnxruntime
 import torch
 from onnx import helper, numpy_helper
 
-from orttrainer import graph, symbolics
+from orttrainer import export, graph, symbolics
 
 FLOAT32 = np.finfo(np.float32)
 LOSS = "loss"
@@ -87,7 +87,7 @@ def single_op_model(op_type, input_names, values: dict, upstream, attributes=Non
 
 
 def exported_model(function, values: dict, upstream, trainable, opset=17):
-    """torch ``function(**values)`` exported under orttrainer's symbolics; the ``trainable``
+    """torch ``function(**values)`` exported under orttrainer's symbolics (their markers resolved); the ``trainable``
     values are parameters (initializers named after them), loss = sum(output * upstream)."""
 
     class Wrapped(torch.nn.Module):
@@ -110,7 +110,9 @@ def exported_model(function, values: dict, upstream, trainable, opset=17):
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice; tracer warnings on constants
         torch.onnx.export(Wrapped(), (), buffer, dynamo=False, opset_version=opset, do_constant_folding=False,
                           output_names=[LOSS, "output"])  # fmt: skip
-    return onnx.load_from_string(buffer.getvalue())
+    model = onnx.load_from_string(buffer.getvalue())
+    export.resolve_markers(model)
+    return model
 
 
 def run_training_graph(model, values: dict, trainable):

@@ -598,6 +598,28 @@ def test_clamp(case):
     check_against_torch(exported_model(function, {"x": x}, upstream, ["x"]), function, {"x": x}, ["x"], upstream)
 
 
+_HARD_TANHS = {
+    "relu6": lambda x: F.relu6(x),
+    "relu6-module-in-place": lambda x: torch.nn.ReLU6(inplace=True)(x * 1.0),
+    "hardtanh": lambda x: F.hardtanh(x),
+    "hardtanh-module": lambda x: torch.nn.Hardtanh(-2.0, 0.5)(x),
+    "hardtanh-in-place": lambda x: F.hardtanh(x * 1.0, inplace=True),
+    "relu-then-clamp": lambda x: F.relu(x).clamp(max=0.5),
+}
+
+
+@pytest.mark.parametrize("case", _HARD_TANHS)
+def test_hardtanh(case):
+    """symbolics.hardtanh: the exporter writes hardtanh and relu6 as the Clip it writes for clamp, whose gradient
+    passes at the bounds; torch's hardtanh_backward gives 0 there (defined_gradients.zero_gradient_at_bounds).
+    A clamp after a ReLU keeps the ReLU's 0 at 0. Inputs at, just below and just above each bound."""
+    bounds = np.float32([0.0, 6.0, -1.0, 1.0, -2.0, 0.5])
+    x = edge_values(*bounds, *np.nextafter(bounds, np.float32(-np.inf)), *np.nextafter(bounds, np.float32(np.inf)))
+    function = _HARD_TANHS[case]
+    upstream = upstream_like(x.shape)
+    check_against_torch(exported_model(function, {"x": x}, upstream, ["x"]), function, {"x": x}, ["x"], upstream)
+
+
 def test_cosine_similarity():
     """symbolics.cosine_similarity: each row over its norm clamped to eps for the value only, as torch's
     (its own symbolic gave a NaN gradient for a zero vector and overflowed from |x| ~ 1e19). Gradients

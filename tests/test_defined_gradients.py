@@ -3,16 +3,19 @@
 Values and gradients at the kinks, ±inf and ties are checked against float64 torch in
 test_boundary_values.py; parity of a MobileNet-style net in test_zoo.py. Here: the forward
 is torch's own rounding in the training and the eval graph, and mixed precision trains.
+Also hardtanh's gradient (0 at its bounds), which is the builder's Clip gradient made strict.
 """
 
 import numpy as np
+import onnx
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from onnx import helper
 from parity import cpu_options
 
-from orttrainer import ORTTrainer, optim
+from orttrainer import ORTTrainer, amp, defined_gradients, optim
 
 
 ACTIVATIONS = {"hardswish": F.hardswish, "hardsigmoid": F.hardsigmoid}
@@ -82,3 +85,37 @@ def test_trains_under_mixed_precision(name):
     assert np.isfinite(float16).all(), float16
     np.testing.assert_allclose(float16, float32, rtol=2e-2)
     assert float16[-1] < 0.95 * float16[0], f"it must learn: {float16}"
+
+
+@pytest.mark.parametrize("mixed_precision", [False, True], ids=["float32", "float16"])
+def test_relu6_gradient_is_zero_at_its_bounds(mixed_precision):
+    """relu6(x * scale) with most of x at 0 and 6: only the 3s give the scale a gradient, in both precisions
+    (under a loss scale that float16 holds: the default 2^16 is inf there, and skips the first update)."""
+    x = torch.tensor([0.0] * 8 + [6.0] * 8 + [3.0, 3.0])
+    trainer = ORTTrainer(ScaledActivation(F.relu6), None, optim.SGDConfig(lr=1.0), loss_fn=lambda y, weights: (y * weights).sum(),
+                         options=cpu_options({"mixed_precision": {"enabled": mixed_precision,
+                                                                  "loss_scaler": amp.DynamicLossScaler(loss_scale=1024.0)}}))  # fmt: skip
+    trainer.train_step(x, torch.full_like(x, 1e-3))
+    step = 1.0 - trainer.state_dict(pytorch_format=True)["scale"].item()
+    assert step == pytest.approx(6e-3, rel=1e-2), f"scale moved by {step}, torch's gradient is 6e-3"
+
+
+def _clip_and_gradient(reads_x: bool) -> onnx.ModelProto:
+    """A marked Clip 'clip' and the builder's gradient of it; ``reads_x`` False: the first comparison reads another tensor."""
+    nodes = [
+        helper.make_node("Clip", ["x", "low", "high"], ["y"], name="clip", doc_string=defined_gradients.ZERO_GRADIENT_AT_BOUNDS),
+        helper.make_node("GreaterOrEqual", ["x" if reads_x else "y", "low"], ["above"], name="clip_Grad/GreaterOrEqual_0"),
+        helper.make_node("LessOrEqual", ["x", "high"], ["below"], name="clip_Grad/LessOrEqual_1"),
+        helper.make_node("And", ["above", "below"], ["inside"], name="clip_Grad/And_2"),
+    ]
+    graph = helper.make_graph(nodes, "clip", [helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, [2]) for name in ("x", "low", "high")],
+                              [helper.make_tensor_value_info("inside", onnx.TensorProto.BOOL, [2])])  # fmt: skip
+    return helper.make_model(graph)
+
+
+def test_zero_gradient_at_bounds_makes_the_comparisons_strict_or_refuses_a_gradient_it_does_not_know():
+    model = _clip_and_gradient(reads_x=True)
+    defined_gradients.zero_gradient_at_bounds(model)
+    assert [node.op_type for node in model.graph.node] == ["Clip", "Greater", "Less", "And"]
+    with pytest.raises(RuntimeError, match=r"Clip node 'clip' \(a hardtanh\).*GreaterOrEqual"):
+        defined_gradients.zero_gradient_at_bounds(_clip_and_gradient(reads_x=False))

@@ -721,3 +721,32 @@ def test_clamp_to_tensor_and_scalar_bounds_trains_as_torch_also_at_ties():
         data.append((x, torch.randint(0, 3, (6,), generator=generator)))
     run_parity(ClampedScale(), data, optim.SGDConfig(lr=0.5), functools.partial(torch.optim.SGD, lr=0.5),
                loss_fn=F.cross_entropy, options=cpu_options())  # fmt: skip
+
+
+
+# ------------------------------------------------------------------ hardtanh, relu6
+class HardTanhs(nn.Module):
+    """x * scale through nn.ReLU6 (in place) and nn.Hardtanh, then a classifier. With scale at 1 on the first step,
+    inputs equal to a bound are at it: torch's gradient is 0 there, clamp's (the same exported Clip) is not."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(8))
+        self.relu6, self.hardtanh = nn.ReLU6(inplace=True), nn.Hardtanh(-1.0, 1.0)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        scaled = x * self.scale
+        return self.head(torch.cat([self.relu6(scaled * 1.0), self.hardtanh(scaled)], 1))
+
+
+def test_relu6_and_hardtanh_train_as_torch_also_at_their_bounds():
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    data = []
+    for _ in range(3):
+        x = torch.randn(6, 8, generator=generator) * 3
+        x[:, 0], x[:, 1], x[:, 2], x[:, 3] = 0.0, 6.0, -1.0, 1.0  # at the bounds
+        data.append((x, torch.randint(0, 3, (6,), generator=generator)))
+    run_parity(HardTanhs(), data, optim.SGDConfig(lr=0.5), functools.partial(torch.optim.SGD, lr=0.5),
+               loss_fn=F.cross_entropy, options=cpu_options())  # fmt: skip

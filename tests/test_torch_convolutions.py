@@ -362,10 +362,13 @@ class ShiftedActivation(nn.Module):
 
 
 @pytest.mark.parametrize("activation, forward, gradient", [(F.hardswish, "HardSwish", split.HARD_SWISH_GRADIENT),
-                                                           (F.hardsigmoid, "HardSigmoid", split.HARD_SIGMOID_GRADIENT)],
-                         ids=["hardswish", "hardsigmoid"])  # fmt: skip
+                                                           (F.hardsigmoid, "HardSigmoid", split.HARD_SIGMOID_GRADIENT),
+                                                           (nn.ReLU6(inplace=True), "Clip", "Greater"),
+                                                           (nn.Hardtanh(-2.0, 0.5), "Clip", "Less")],
+                         ids=["hardswish", "hardsigmoid", "relu6", "hardtanh"])  # fmt: skip
 def test_activations_on_torch_at_their_kinks_and_edges_give_torchs_values_and_gradients(activation, forward, gradient):
-    values = edge_values(*KINKS, *spread(1e-3, 10))
+    """Also at hardtanh's bounds (6, 0.5, -2 and the edge values' 0 and ±1), where its gradient is 0 (clamp's is not)."""
+    values = edge_values(*KINKS, 6.0, -2.0, 0.5, *spread(1e-3, 10))
     images = torch.from_numpy(values).reshape(1, 1, -1, 1)
     torch.manual_seed(0)
     model = ShiftedActivation(images.shape[1:], activation)
