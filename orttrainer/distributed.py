@@ -112,28 +112,37 @@ class RankWriteError(OSError):
     """Writing a file failed on some rank(s); raised alike on every rank so that all stop together."""
 
 
-def _error_of(write):
-    """The exception ``write()`` raised, or None (also when there is nothing to write)."""
-    if write is None:
-        return None
-    try:
-        write()
-    except Exception as error:  # any failure: shared with the other ranks, then raised
-        return error
-    return None
+def run_on_every_rank(world: World, action, fingerprint=None):
+    """Run this rank's ``action`` (None: nothing to do here) and share how it went, in one collective.
+
+    Returns its result, the exception it raised (or None) and, per rank, (cause or None, fingerprint of
+    the result or None): a failure then ends every rank at once with its cause, instead of leaving
+    the others waiting at their next collective until it times out.
+    """
+    result, error = None, None
+    if action is not None:
+        try:
+            result = action()
+        except Exception as caught:  # any failure: shared with the other ranks, raised by the caller
+            error = caught
+    if error is not None:
+        outcome = (f"{type(error).__name__}: {error}", None)
+    else:
+        outcome = (None, None if fingerprint is None else fingerprint(result))
+    return result, error, gather_objects(world, outcome)
+
+
+def failed_ranks(outcomes) -> str:
+    """'rank r: cause; ...' of the ranks whose action failed in ``run_on_every_rank``'s outcomes ('' if none)."""
+    return "; ".join(f"rank {rank}: {cause}" for rank, (cause, _) in enumerate(outcomes) if cause is not None)
 
 
 def write_together(world: World, write, what: str) -> None:
-    """Run this rank's ``write`` (None: it writes nothing), then raise on every rank if any rank's failed.
-
-    One collective shares the outcomes, so a failure ends every rank at once with its cause
-    instead of leaving the others waiting at their next collective until it times out.
-    """
-    error = _error_of(write)
-    causes = gather_objects(world, None if error is None else f"{type(error).__name__}: {error}")
-    failed = [f"rank {rank}: {cause}" for rank, cause in enumerate(causes) if cause is not None]
+    """Run this rank's ``write`` (None: it writes nothing), then raise on every rank if any rank's failed."""
+    _, error, outcomes = run_on_every_rank(world, write)
+    failed = failed_ranks(outcomes)
     if failed:
-        raise RankWriteError(f"{what} failed on {'; '.join(failed)}") from error
+        raise RankWriteError(f"{what} failed on {failed}") from error
 
 
 def owners(sizes: dict, world_size: int) -> dict:

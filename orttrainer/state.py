@@ -12,6 +12,7 @@ files on one or several ranks (checkpoint.py stores it).
 """
 
 import functools
+import hashlib
 import warnings
 from dataclasses import dataclass
 
@@ -202,9 +203,30 @@ def write_checkpoint(state: dict, path, world, data_parallel, step: int, overwri
     distributed.write_together(world, write, f"saving checkpoint {path} at step {step}")
 
 
-def read_checkpoint(paths, world_size: int, allow_pickle: bool):
+def read_checkpoint(paths, world, allow_pickle: bool):
     """(state, user_dict) of a checkpoint written by ``write_checkpoint`` or the legacy ORTTrainer;
-    per-rank ZeRO files (several paths, or one with ``{rank}``) are aggregated first."""
+    per-rank ZeRO files (several paths, or one with ``{rank}``) are aggregated first.
+
+    On several ranks every rank reads, and one collective compares: if a rank's read failed, or
+    read other values than rank 0's (another file, one only some nodes hold), every rank raises
+    CheckpointError before any of them has loaded anything.
+    """
+    read = functools.partial(_read_checkpoint, paths, world.size, allow_pickle)
+    if not world.is_distributed:
+        return read()
+    result, error, outcomes = distributed.run_on_every_rank(world, read, lambda result: _values_digest(result[0]))
+    where = f"loading checkpoint {', '.join(map(str, paths))}"
+    failed = distributed.failed_ranks(outcomes)
+    if failed:
+        raise checkpoint.CheckpointError(f"{where} failed on {failed}") from error
+    differing = [rank for rank, (_, digest) in enumerate(outcomes) if digest != outcomes[0][1]]
+    if differing:
+        raise checkpoint.CheckpointError(f"{where}: rank(s) {differing} read other values than rank 0; every rank must "
+                                         "load the same checkpoint (a copy on every node, or a shared file system)")  # fmt: skip
+    return result
+
+
+def _read_checkpoint(paths, world_size: int, allow_pickle: bool):
     if len(paths) == 1 and "{rank}" in str(paths[0]):
         paths = [str(paths[0]).format(rank=rank) for rank in range(world_size)]
     if len(paths) > 1:
@@ -213,6 +235,28 @@ def read_checkpoint(paths, world_size: int, allow_pickle: bool):
         state = checkpoint.load(paths[0])
     checkpoint.check_is_checkpoint(state, paths[0])
     return state, checkpoint.user_dict_from(state, paths[0], allow_pickle)
+
+
+def _values_digest(state: dict) -> str:
+    """sha256 of what loading ``state`` sets (not trainer_options, which name the rank that wrote the file)."""
+    digest = hashlib.sha256()
+
+    def add(key, value):
+        digest.update(key.encode())
+        if isinstance(value, dict):
+            for name in sorted(value):
+                add(f"{key}/{name}", value[name])
+        elif isinstance(value, list):
+            for index, item in enumerate(value):
+                add(f"{key}/{index}", item)
+        else:
+            array = np.asarray(value)
+            digest.update(f"{array.dtype}{array.shape}".encode())
+            digest.update(repr(value).encode() if array.dtype.kind == "O" else array.tobytes())
+
+    for group in sorted(set(state) - {"trainer_options"}):
+        add(group, state[group])
+    return digest.hexdigest()
 
 
 def _checked_tensor(value, current, where):

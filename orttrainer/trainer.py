@@ -368,9 +368,10 @@ class ORTTrainer:
         """Load a checkpoint written by ``save_checkpoint`` (or by the legacy ORTTrainer); return its user_dict.
 
         Per-rank ZeRO checkpoints (several paths) are aggregated first. A legacy pickled
-        user_dict is only unpickled with ``allow_pickle=True``.
+        user_dict is only unpickled with ``allow_pickle=True``. All ranks must call this together and
+        read the same values; if a rank cannot, every rank raises ``CheckpointError`` and none loads.
         """
-        state, user_dict = read_checkpoint(paths, self._world.size, allow_pickle)
+        state, user_dict = read_checkpoint(paths, self._world, allow_pickle)
         try:
             self.load_state_dict(state, strict=strict)
         except RuntimeError as error:

@@ -19,7 +19,7 @@ from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--start", type=int, default=0)
+    parser.add_argument("--first-step", type=int, default=0)
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--accumulation", type=int, default=1)
     parser.add_argument("--zero", action="store_true")
@@ -28,6 +28,7 @@ def main():
     parser.add_argument("--checkpoint", help="its path, with {rank} for per-rank (ZeRO) checkpoints")
     parser.add_argument("--consolidate", action="store_true", help="ZeRO: save one merged checkpoint")
     parser.add_argument("--load", nargs="*", default=[])
+    parser.add_argument("--load-on-rank-1", nargs="*", help="what rank 1 loads instead (a node with other files)")
     parser.add_argument("--crash-at", type=int, default=-1, help="rank 1 raises at this step")
     parser.add_argument("--uneven", action="store_true", help="ranks train batches of different shapes")
     parser.add_argument("--out", required=True)
@@ -44,10 +45,11 @@ def main():
     config = optim.AdamConfig(lr=2e-3, lambda_coef=0.01, epsilon=1e-4, max_norm_clip=0.2)
     model = SeqFirstEncoder() if args.uneven else Encoder(dropout=0.0)
     trainer = ORTTrainer(model, None, config, loss_fn=lm_loss, options=options)
-    if args.load:
-        trainer.load_checkpoint(*args.load)
+    load = args.load_on_rank_1 if rank == 1 and args.load_on_rank_1 is not None else args.load
+    if load:
+        trainer.load_checkpoint(*load)
     share = args.global_batch // world
-    for step in range(args.start, args.steps):
+    for step in range(args.first_step, args.steps):
         if step == args.crash_at and rank == 1:
             raise RuntimeError("rank 1 fails on purpose")
         if args.uneven:

@@ -54,7 +54,7 @@ def test_zero_checkpoints_aggregate_and_resume_in_one_process(tmp_path):
     flags = ["--steps", 7, "--zero", "--accumulation", 2]  # saved at the end of the second window
     run(*flags, "--save-at", 4, "--checkpoint", checkpoint, "--out", tmp_path / "two.npz", ranks=2)
     parts = [str(checkpoint).format(rank=rank) for rank in (0, 1)]
-    run(*flags, "--start", 4, "--load", *parts, "--out", tmp_path / "resumed.npz")
+    run(*flags, "--first-step", 4, "--load", *parts, "--out", tmp_path / "resumed.npz")
     assert_same_weights(tmp_path / "two.npz", tmp_path / "resumed.npz")
 
 
@@ -81,6 +81,38 @@ def test_a_failed_save_ends_every_rank_promptly_with_its_cause(tmp_path, case):
         assert f"[rank{rank}]: {cause}" in result.stderr, result.stderr[-4000:]  # torch prefixes each rank's traceback
     assert time.monotonic() - start < 60
     assert not (tmp_path / "x.npz").exists()
+
+
+@pytest.mark.parametrize("case", ["missing_on_rank_1", "other_on_rank_1"])
+def test_a_checkpoint_only_some_ranks_can_load_ends_every_rank_promptly_before_any_loads(tmp_path, case):
+    """A file only rank 0's node holds, or another file on rank 1: every rank raises the same error at
+    load_checkpoint (none trains on, none waits at the next collective, no replica differs)."""
+    saved, other = tmp_path / "ckpt.h5", tmp_path / "other.h5"
+    run("--steps", 1, "--save-at", 1, "--checkpoint", saved, "--out", tmp_path / "saved.npz")
+    if case == "missing_on_rank_1":
+        on_rank_1 = tmp_path / "absent.h5"
+        cause = f"failed on rank 1: FileNotFoundError: checkpoint {on_rank_1} does not exist"
+    else:
+        on_rank_1 = other
+        run("--steps", 2, "--save-at", 2, "--checkpoint", other, "--out", tmp_path / "other.npz")
+        cause = "rank(s) [1] read other values than rank 0; every rank must load the same checkpoint"
+    start = time.monotonic()
+    result = run("--steps", 3, "--first-step", 1, "--load", saved, "--load-on-rank-1", on_rank_1, "--out", tmp_path / "x.npz",
+                 ranks=2, check=False, timeout=240)  # fmt: skip
+    assert result.returncode != 0
+    for rank in (0, 1):
+        where = saved if rank == 0 else on_rank_1
+        assert f"[rank{rank}]: orttrainer.checkpoint.CheckpointError: loading checkpoint {where}" in result.stderr, result.stderr[-4000:]
+        assert cause in result.stderr.split(f"[rank{rank}]: orttrainer.checkpoint.CheckpointError")[1].split("\n")[0]
+    assert time.monotonic() - start < 60
+    assert not (tmp_path / "x.npz").exists()
+
+
+def test_every_rank_loading_the_same_checkpoint_resumes_as_one_process(tmp_path):
+    saved = tmp_path / "ckpt.h5"
+    run("--steps", 4, "--save-at", 2, "--checkpoint", saved, "--out", tmp_path / "single.npz")
+    run("--steps", 4, "--first-step", 2, "--load", saved, "--out", tmp_path / "two.npz", ranks=2)
+    assert_same_weights(tmp_path / "single.npz", tmp_path / "two.npz")
 
 
 def test_a_crashing_rank_ends_the_job_in_bounded_time(tmp_path):
