@@ -484,6 +484,7 @@ def make_differentiable(model: onnx.ModelProto, weight_names, loss_name: str, fa
         where = module_path(error.node_name)
         raise GradientBuildError("cannot make this op differentiable" + (f" in module '{where}'" if where else "")
                                  + f": {error}") from error  # fmt: skip
+    _read_weights_once_per_node(model, weight_names)
     missing = [description for name, description in without_gradient if name not in rewritten] + untrainable_inputs
     missing += [f"{describe_node(node)}: control flow, which the exporter writes e.g. for squeeze() of a dimension it "
                 "cannot size (squeeze a known dimension, or index it with [:, 0])"
@@ -491,6 +492,24 @@ def make_differentiable(model: onnx.ModelProto, weight_names, loss_name: str, fa
     if missing:
         listed = "; ".join(missing)
         raise GradientBuildError(f"onnxruntime-training has no gradient for these ops between the weights and the loss: {listed}")
+
+
+def _read_weights_once_per_node(model: onnx.ModelProto, weight_names) -> None:
+    """A node that reads one weight at several inputs (``w * w``, ``torch.square(w)``) reads it again through an
+    Identity: the gradient builder names the gradient of each such input '<weight>_grad' and fails on the duplicate;
+    through the Identity the two are summed, as torch sums them."""
+    weights, nodes = set(weight_names), []
+    for node in model.graph.node:
+        read = set()
+        for index, name in enumerate(node.input):
+            if name in weights and name in read:
+                again = f"{name}.read_again.{node.name}.{index}"
+                nodes.append(helper.make_node("Identity", [name], [again], name=again))
+                node.input[index] = again
+            read.add(name)
+        nodes.append(node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
 
 
 def _untrainable_inputs(on_path, weight_names) -> list:

@@ -750,3 +750,28 @@ def test_relu6_and_hardtanh_train_as_torch_also_at_their_bounds():
         data.append((x, torch.randint(0, 3, (6,), generator=generator)))
     run_parity(HardTanhs(), data, optim.SGDConfig(lr=0.5), functools.partial(torch.optim.SGD, lr=0.5),
                loss_fn=F.cross_entropy, options=cpu_options())  # fmt: skip
+
+
+
+# ------------------------------------------------------------------ a weight read twice by one op
+class SquaredWeights(nn.Module):
+    """A gain squared (torch.square: one Mul reading the weight twice), a penalty w * w, a square matrix times itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 4)
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 4))
+        self.mix = nn.Parameter(torch.eye(4) + 0.1 * torch.randn(4, 4))
+
+    def forward(self, x):
+        mixed = self.fc(x) @ (self.mix @ self.mix)
+        return mixed * torch.square(self.gain) + 0.01 * (self.gain * self.gain).sum()
+
+
+def test_a_weight_read_twice_by_one_op_trains_as_torch():
+    """onnxruntime-training's builder named both input gradients '<weight>_grad' and failed on the duplicate."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(5, 6, generator=generator), torch.randint(0, 4, (5,), generator=generator)) for _ in range(3)]
+    run_parity(SquaredWeights(), data, optim.SGDConfig(lr=0.5), functools.partial(torch.optim.SGD, lr=0.5),
+               loss_fn=F.cross_entropy, options=cpu_options())  # fmt: skip
