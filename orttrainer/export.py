@@ -28,8 +28,9 @@ from torch.nn.utils.parametrizations import _SpectralNorm
 from torch.nn.utils.spectral_norm import SpectralNorm as _SpectralNormHook
 from torch.onnx import TrainingMode
 from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 
-from . import defined_gradients, model_outputs, symbolics
+from . import defined_gradients, model_outputs, rewrites, symbolics
 
 _WRAPPED = "model."  # prefix the wrapper adds to every weight name
 _TORCH_DIRECTORY = os.path.dirname(torch.__file__) + os.sep
@@ -452,6 +453,30 @@ class _ValuesTurnedPython(TorchFunctionMode):
         return None if frame is None else (frame.f_back.f_code.co_filename, frame.f_back.f_lineno)
 
 
+class _NoGradResultsDetached(TorchFunctionMode):
+    """Detaches, in the trace, what forward computes under ``torch.no_grad()`` from tensors that require grad.
+
+    torch gives such a result no gradient; a trace records no grad mode, so ONNX Runtime would differentiate
+    through it. The detach is recorded and cut as a user's ``detach()`` is (``symbolics.detach``). In-place
+    ops are left as they are: their result is the tensor they changed.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if torch.is_grad_enabled() or torch._C._get_tracing_state() is None or _changes_in_place(func):
+            return result
+        if not any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in pytree.tree_leaves((args, kwargs))):
+            return result
+        return pytree.tree_map(lambda leaf: leaf.detach() if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
+                               else leaf, result)  # fmt: skip
+
+
+def _changes_in_place(func) -> bool:
+    """``Tensor.add_``, ``Tensor.__iadd__``, ``Tensor.__setitem__`` and the like."""
+    name = getattr(func, "__name__", "")
+    return name == "__setitem__" or name.startswith("__i") or (name.endswith("_") and not name.endswith("__"))
+
+
 class _ExporterWarnings:
     """Hears every warning raised during export, with the user's line that caused it.
 
@@ -544,7 +569,8 @@ def resolve_markers(model: onnx.ModelProto) -> dict:
     """Resolve the marker nodes ``symbolics`` wrote; return {Gather node name: EmbeddingLookup}.
 
     An embedding's marker on the gather indices is removed, its rules returned. A hardtanh marker
-    becomes the Clip it stands for, marked ``defined_gradients.ZERO_GRADIENT_AT_BOUNDS``.
+    becomes the Clip it stands for, marked ``defined_gradients.ZERO_GRADIENT_AT_BOUNDS``; a detach
+    marker an Identity marked ``rewrites.STOP_GRADIENT``.
     """
     markers = {node.output[0]: node for node in model.graph.node if node.domain == symbolics.DOMAIN}
     lookups = {}
@@ -557,6 +583,8 @@ def resolve_markers(model: onnx.ModelProto) -> dict:
     for marker in markers.values():
         if marker.op_type == "HardTanh":
             marker.op_type, marker.domain, marker.doc_string = "Clip", "", defined_gradients.ZERO_GRADIENT_AT_BOUNDS
+        elif marker.op_type == "Detach":
+            marker.op_type, marker.domain, marker.doc_string = "Identity", "", rewrites.STOP_GRADIENT
     kept = [node for node in model.graph.node if node.domain != symbolics.DOMAIN]
     del model.graph.node[:]
     model.graph.node.extend(kept)
@@ -584,7 +612,7 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
         inputs_by_name = {name: tensor for (name, _), tensor in zip(desc_inputs, inputs)}
         state_names = [_WRAPPED + name for name in model.state_dict()]
         with torch.random.fork_rng(devices=devices), symbolics.exporting(), _keeping_no_activations(), \
-                _ExporterWarnings(values, inputs_by_name, state_names) as heard, values:
+                _ExporterWarnings(values, inputs_by_name, state_names) as heard, _NoGradResultsDetached(), values:
             torch.onnx.export(
                 wrapper,
                 tuple(inputs),

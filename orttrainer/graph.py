@@ -430,18 +430,30 @@ def infer_tensor_facts(model: onnx.ModelProto) -> TensorFacts:
     return TensorFacts(elem_types, shapes)
 
 
-def _nodes_between(model: onnx.ModelProto, sources, target: str, facts: TensorFacts = None):
-    """Nodes on a floating-point path from any of ``sources`` to ``target``.
+def _is_stop_gradient(node: onnx.NodeProto) -> bool:
+    """An Identity standing for torch's detach (export.resolve_markers)."""
+    return node.op_type == "Identity" and node.doc_string == rewrites.STOP_GRADIENT
 
-    Integer tensors (shapes, indices) carry no gradient, so paths stop at them.
+
+def _nodes_reading(model: onnx.ModelProto, sources, elem_types: dict) -> list:
+    """Nodes that read a floating-point value computed from ``sources``, in graph order.
+
+    Integer tensors (shapes, indices) carry no gradient, and a detach none on, so values computed from them are not.
     """
-    elem_types = (facts or infer_tensor_facts(model)).elem_types
     downstream = set(sources)
-    forward = []
+    found = []
     for node in model.graph.node:  # exported graphs are topologically sorted
         if any(name in downstream for name in _node_inputs(node)):
-            downstream.update(name for name in node.output if elem_types.get(name, 0) in _MAYBE_FLOAT)
-            forward.append(node)
+            if not _is_stop_gradient(node):
+                downstream.update(name for name in node.output if elem_types.get(name, 0) in _MAYBE_FLOAT)
+            found.append(node)
+    return found
+
+
+def _nodes_between(model: onnx.ModelProto, sources, target: str, facts: TensorFacts = None):
+    """Nodes on a floating-point path from any of ``sources`` to ``target`` (not through a detach)."""
+    elem_types = (facts or infer_tensor_facts(model)).elem_types
+    forward = [node for node in _nodes_reading(model, sources, elem_types) if not _is_stop_gradient(node)]
     upstream = {target}
     on_path = []
     for node in reversed(forward):
@@ -472,9 +484,11 @@ def make_differentiable(model: onnx.ModelProto, weight_names, loss_name: str, fa
     """Rewrite (rewrites.py) the ops between weights and loss that have no usable gradient, then
     raise one GradientBuildError listing every op on that path that still has none.
 
-    A rewrite keeps its node's inputs and outputs, so the path found before rewriting holds after.
+    A rewrite keeps its node's inputs and outputs, so the path found before rewriting holds after; so does the
+    detach's (``_stop_gradients``), which the path does not pass.
     """
     on_path = _nodes_between(model, weight_names, loss_name, facts)
+    _stop_gradients(model, weight_names, facts)
     without_gradient = [(node.name, describe_node(node)) for node in on_path
                         if node.op_type in OPS_WITHOUT_GRADIENT and not rewrites.is_torch_hard_sigmoid(node)]  # fmt: skip
     untrainable_inputs = _untrainable_inputs(on_path, weight_names)
@@ -492,6 +506,20 @@ def make_differentiable(model: onnx.ModelProto, weight_names, loss_name: str, fa
     if missing:
         listed = "; ".join(missing)
         raise GradientBuildError(f"onnxruntime-training has no gradient for these ops between the weights and the loss: {listed}")
+
+
+def _stop_gradients(model: onnx.ModelProto, weight_names, facts: TensorFacts = None) -> None:
+    """Replace each detach that reads a value computed from the weights by ``rewrites.detached``: the same values,
+    on no path the gradient builder follows (it follows an Identity). Other detaches stay Identities."""
+    elem_types = (facts or infer_tensor_facts(model)).elem_types
+    cut = [node for node in _nodes_reading(model, weight_names, elem_types) if _is_stop_gradient(node)]
+    not_float32 = [node for node in cut if elem_types.get(node.input[0]) != onnx.TensorProto.FLOAT]
+    if not_float32:
+        raise GradientBuildError("detach() of a value computed from the weights is supported for float32 values; "
+                                 + "; ".join(f"{describe_node(node)} detaches a "
+                                             f"{onnx.TensorProto.DataType.Name(elem_types.get(node.input[0], 0))} value"
+                                             for node in not_float32))  # fmt: skip
+    rewrites.replace_nodes(model, {"Identity": rewrites.stop_gradient}, cut)
 
 
 def _read_weights_once_per_node(model: onnx.ModelProto, weight_names) -> None:

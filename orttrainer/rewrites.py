@@ -227,27 +227,42 @@ def log1p(build, u, reaches_minus_one=True):
     return build.op("Sub", [build.op("Log", [w]), build.op("Div", [error, divisor])])
 
 
-# detached(): |v| below each bound is first multiplied by the power of two after it
+# detached(): |v| below each bound is first multiplied by the power of two after it; |v| from 2^62 on by 2^-70
 _DETACH_SCALES = [(2.0**-97, 2.0**120), (2.0**-57, 2.0**80), (2.0**-17, 2.0**40)]
+_DETACH_LARGE = (2.0**62, 2.0**-70)
+STOP_GRADIENT = "orttrainer: detach, no gradient"  # the doc_string of an Identity standing for torch's detach
 
 
-def detached(build, v):
-    """v's value on no gradient path, exactly, for finite |v| < 2^63.
+def detached(build, v, output=None):
+    """float32 v's value on no gradient path, exactly: ±0, denormals, ±inf and NaN included.
 
     ONNX Runtime's gradient builder stops at a Cast to an integer type, and has no op that
     passes a float unchanged without a gradient. So v, scaled by a power of two into
-    [2^-17, 2^23) when smaller, passes as its integer part and its fraction in steps of
-    2^-40, each through int64 (with 24 significant bits, both are exact), then is scaled back.
+    [2^-17, 2^62), passes as its integer part and its fraction in steps of 2^-40, each through
+    int64 (with 24 significant bits, both are exact), then is scaled back. ±inf and NaN, which
+    have no integer part, and -0, which comes back +0, are selected from constants by masks,
+    which carry no gradient either. (ONNX Runtime's Where turns a -0 it takes from its first
+    branch into +0, from its second it keeps it.)
     """
     magnitude = build.op("Abs", [v])
-    scale = build.const(1.0)
+    scale = where(build, build.op("GreaterOrEqual", [magnitude, build.const(_DETACH_LARGE[0])]), _DETACH_LARGE[1], 1.0)
     for bound, factor in reversed(_DETACH_SCALES):
         scale = where(build, build.op("Less", [magnitude, build.const(bound)]), factor, scale)
     scaled = build.op("Mul", [v, scale])
     whole = build.op("Cast", [build.op("Cast", [scaled], to=onnx.TensorProto.INT64)], to=onnx.TensorProto.FLOAT)
     fraction = build.op("Mul", [build.op("Sub", [scaled, whole]), build.const(2.0**40)])
     steps = build.op("Cast", [build.op("Cast", [fraction], to=onnx.TensorProto.INT64)], to=onnx.TensorProto.FLOAT)
-    return build.op("Div", [build.op("Add", [whole, build.op("Mul", [steps, build.const(2.0**-40)])]), scale])
+    finite = build.op("Div", [build.op("Add", [whole, build.op("Mul", [steps, build.const(2.0**-40)])]), scale])
+    infinite = where(build, build.op("Greater", [v, build.const(0.0)]), float("inf"), float("-inf"))
+    kept = where(build, build.op("IsNaN", [v]), float("nan"), where(build, build.op("IsInf", [v]), infinite, finite))
+    zero = build.op("Equal", [v, build.const(0.0)])
+    negative_zero = build.op("And", [zero, build.op("Less", [build.op("Reciprocal", [v]), build.const(0.0)])])
+    return where(build, build.op("Not", [negative_zero]), kept, -0.0, output)
+
+
+def stop_gradient(build):
+    """torch's detach of the node's input (an Identity marked ``STOP_GRADIENT``): ``detached``."""
+    detached(build, build.node.input[0], build.node.output[0])
 
 
 def softplus(build):

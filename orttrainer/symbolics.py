@@ -92,6 +92,14 @@ def clamp_max(g, x, high):
     return clamp(g, x, None, high)
 
 
+def detach(g, x):
+    """torch's detach, which torch's symbolic drops (inference needs no gradient), as a marker node: export.py
+    turns it into an Identity marked ``rewrites.STOP_GRADIENT``, which graph.make_differentiable cuts."""
+    detached = g.op(f"{DOMAIN}::Detach", x)
+    detached.setType(x.type())
+    return detached
+
+
 @symbolic_helper.parse_args("v", "f", "f")
 def hardtanh(g, x, min_val, max_val):
     """torch's hardtanh (nn.Hardtanh, nn.ReLU6, F.relu6): the Clip torch's symbolic writes, as a marker node.
@@ -505,7 +513,7 @@ def cosine_similarity(g, x1, x2, dim, eps):
 
     def normalised(x):
         norm = _vector_norm(g, x, 2.0, dim, True)
-        raised = build.op("Sub", [build.op("Max", [norm, build.const(eps)]), norm])  # what the clamp adds, 0 from eps on
+        raised = build.op("Max", [build.op("Sub", [build.const(eps), norm]), build.const(0.0)])  # what the clamp adds: 0 from eps on, also at inf
         clamped = build.op("Add", [norm, rewrites.detached(build, raised)])
         return build.op("Div", [x, clamped])
 
@@ -694,6 +702,7 @@ _SYMBOLICS = {
     "clamp_min": clamp_min,
     "clamp_max": clamp_max,
     "hardtanh": hardtanh,
+    "detach": detach,
     "relu6": relu6,
     "max": _extreme("ReduceMax", symbolic_helper._max_helper),
     "min": _extreme("ReduceMin", symbolic_helper._min_helper),

@@ -620,6 +620,38 @@ def test_hardtanh(case):
     check_against_torch(exported_model(function, {"x": x}, upstream, ["x"]), function, {"x": x}, ["x"], upstream)
 
 
+_DETACHES = {
+    "straight-through": lambda x: x + (torch.round(x * 4.0) / 4.0 - x).detach(),
+    "times-itself-detached": lambda x: x * x.detach(),
+    "over-its-detached-size": lambda x: x / (x.detach().abs() + 1.0),
+}
+
+
+@pytest.mark.parametrize("case", _DETACHES)
+def test_detach(case):
+    """symbolics.detach: torch's symbolic drops detach, so the gradient went through it (or the build failed on
+    the Round of a straight-through estimator); the detached value is rewrites.detached's, on no gradient path."""
+    x = edge_values(0.125, 0.375, -0.625, 2.5, 1e20, -3e25)
+    function = _DETACHES[case]
+    upstream = upstream_like(x.shape)
+    check_against_torch(exported_model(function, {"x": x}, upstream, ["x"]), function, {"x": x}, ["x"], upstream)
+
+
+def test_detached_value_is_every_float32_bit_for_bit():
+    """rewrites.detached: ±0, denormals, normals up to FLT_MAX, ±inf come back with their bits; NaN as NaN."""
+    bits = np.random.default_rng(0).integers(0, 2**32, 20000, dtype=np.uint64).astype(np.uint32)
+    x = np.concatenate([edge_values(2.0**62, -(2.0**62), 2.0**63, 2.0**-17, 2.0**-97, 2.0**-149), bits.view(np.float32)])
+    function = lambda x: torch.stack([x.detach(), x])  # noqa: E731  (x reaches the loss through its second use)
+    upstream = upstream_like((2, x.size))
+    results, _ = run_training_graph(exported_model(function, {"x": x}, upstream, ["x"]), {"x": x}, ["x"])
+    detached = results["output"][0]
+    nan = np.isnan(x)
+    assert np.array_equal(np.isnan(detached), nan)
+    differ = detached[~nan].view(np.uint32) != x[~nan].view(np.uint32)
+    assert not differ.any(), f"{int(differ.sum())} values changed, e.g. {x[~nan][differ][:4]} -> {detached[~nan][differ][:4]}"
+    np.testing.assert_array_equal(results["x_grad"].reshape(x.shape), upstream[1])  # the second use's only
+
+
 def test_cosine_similarity():
     """symbolics.cosine_similarity: each row over its norm clamped to eps for the value only, as torch's
     (its own symbolic gave a NaN gradient for a zero vector and overflowed from |x| ~ 1e19). Gradients
