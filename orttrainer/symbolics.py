@@ -92,6 +92,29 @@ def clamp_max(g, x, high):
     return clamp(g, x, None, high)
 
 
+@symbolic_helper.parse_args("v", "f")
+def hardshrink(g, x, lambd):
+    """torch's hardshrink: 0 where -lambd <= x <= lambd, else x (NaN stays NaN and gets the gradient, as in torch's
+    kernel; torch's symbolic selected x where x > lambd or x < -lambd, so NaN became 0)."""
+    build = _ExportGraph(g)
+    dtype = _numpy_dtype(x)
+    inside = build.op("And", [build.op("GreaterOrEqual", [x, build.const(-lambd, dtype)]),
+                              build.op("LessOrEqual", [x, build.const(lambd, dtype)])])  # fmt: skip
+    return build.op("Where", [inside, build.const(0.0, dtype), x])
+
+
+@symbolic_helper.parse_args("v", "f")
+def softshrink(g, x, lambd):
+    """torch's softshrink: x - lambd above lambd, x + lambd below -lambd, x * 0 between (so NaN stays NaN, as in
+    torch's kernel; torch's symbolic added two Wheres of 0, so NaN became 0)."""
+    build = _ExportGraph(g)
+    dtype = _numpy_dtype(x)
+    positive, negative = build.const(lambd, dtype), build.const(-lambd, dtype)
+    between = build.op("Where", [build.op("Less", [x, negative]), build.op("Add", [x, positive]),
+                                 build.op("Mul", [x, build.const(0.0, dtype)])])  # fmt: skip
+    return build.op("Where", [build.op("Greater", [x, positive]), build.op("Sub", [x, positive]), between])
+
+
 def detach(g, x):
     """torch's detach, which torch's symbolic drops (inference needs no gradient), as a marker node: export.py
     turns it into an Identity marked ``rewrites.STOP_GRADIENT``, which graph.make_differentiable cuts."""
@@ -703,6 +726,8 @@ _SYMBOLICS = {
     "clamp_max": clamp_max,
     "hardtanh": hardtanh,
     "detach": detach,
+    "hardshrink": hardshrink,
+    "softshrink": softshrink,
     "relu6": relu6,
     "max": _extreme("ReduceMax", symbolic_helper._max_helper),
     "min": _extreme("ReduceMin", symbolic_helper._min_helper),

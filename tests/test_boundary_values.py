@@ -620,6 +620,15 @@ def test_hardtanh(case):
     check_against_torch(exported_model(function, {"x": x}, upstream, ["x"]), function, {"x": x}, ["x"], upstream)
 
 
+@pytest.mark.parametrize("function", [lambda x: F.hardshrink(x, 0.5), lambda x: F.softshrink(x, 0.5)],
+                         ids=["hardshrink", "softshrink"])  # fmt: skip
+def test_shrink(function):
+    """symbolics.hardshrink / softshrink: NaN stays NaN (torch's symbolics gave 0); at, inside and outside ±lambd."""
+    x = edge_values(0.5, -0.5, 0.49999997, -0.50000006, 0.25, -0.25, 2.0, -2.0)
+    upstream = upstream_like(x.shape)
+    check_against_torch(exported_model(function, {"x": x}, upstream, ["x"]), function, {"x": x}, ["x"], upstream)
+
+
 _DETACHES = {
     "straight-through": lambda x: x + (torch.round(x * 4.0) / 4.0 - x).detach(),
     "times-itself-detached": lambda x: x * x.detach(),
