@@ -69,7 +69,8 @@ def clamp(g, x, low, high):
     torch's symbolic writes a scalar bound left out as Clip's missing input, which ONNX Runtime
     takes as ±FLT_MAX (docs/stack_facts.md): ±inf came out as ±FLT_MAX. Here it is an infinite
     bound of x's type. A tensor bound is a Where rather than torch's Max / Min, whose gradient
-    ONNX Runtime splits between x and a bound equal to it, where torch's goes to x alone.
+    ONNX Runtime splits between x and a bound equal to it, where torch's goes to x alone; a NaN in
+    x or in a bound gives NaN, as in torch.
     """
     scalar_type = _type_utils.JitScalarType.from_value(x, _type_utils.JitScalarType.UNDEFINED)
     if scalar_type == _type_utils.JitScalarType.UNDEFINED or not scalar_type.dtype().is_floating_point:
@@ -80,8 +81,8 @@ def clamp(g, x, low, high):
     low, high = bounds
     if all(symbolic_helper._get_tensor_rank(bound) == 0 for bound in bounds):
         return g.op("Clip", x, low, high)
-    raised = g.op("Where", g.op("Less", x, low), low, x)
-    return g.op("Where", g.op("Greater", raised, high), high, raised)
+    raised = g.op("Where", g.op("Or", g.op("Less", x, low), g.op("IsNaN", low)), low, x)
+    return g.op("Where", g.op("Or", g.op("Greater", raised, high), g.op("IsNaN", high)), high, raised)
 
 
 def clamp_min(g, x, low):

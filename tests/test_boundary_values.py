@@ -584,6 +584,8 @@ _CLAMPS = {
     "clamp_max": lambda x: torch.clamp_max(x, -1.0),
     "tensor-min": lambda x: x.clamp(min=torch.full_like(x, 0.5)),
     "tensor-both": lambda x: x.clamp(min=torch.full_like(x, -1.0), max=torch.full_like(x, 0.5)),
+    "tensor-bounds-with-nan": lambda x: x.clamp(min=torch.where(x > 1e20, float("nan"), -1.0),
+                                                max=torch.where(x < -1e20, float("nan"), 0.5)),
 }
 
 
