@@ -255,9 +255,18 @@ def detached(build, v, output=None):
     finite = build.op("Div", [build.op("Add", [whole, build.op("Mul", [steps, build.const(2.0**-40)])]), scale])
     infinite = where(build, build.op("Greater", [v, build.const(0.0)]), float("inf"), float("-inf"))
     kept = where(build, build.op("IsNaN", [v]), float("nan"), where(build, build.op("IsInf", [v]), infinite, finite))
+    return where(build, build.op("Not", [is_negative_zero(build, v)]), kept, -0.0, output)
+
+
+def is_negative_zero(build, v):
+    """Where v is -0 (a bool tensor): equal to 0, with a reciprocal below 0."""
     zero = build.op("Equal", [v, build.const(0.0)])
-    negative_zero = build.op("And", [zero, build.op("Less", [build.op("Reciprocal", [v]), build.const(0.0)])])
-    return where(build, build.op("Not", [negative_zero]), kept, -0.0, output)
+    return build.op("And", [zero, build.op("Less", [build.op("Reciprocal", [v]), build.const(0.0)])])
+
+
+def sign_bit(build, v):
+    """Where v's sign bit is set (a bool tensor): below 0, or -0."""
+    return build.op("Or", [build.op("Less", [v, build.const(0.0)]), is_negative_zero(build, v)])
 
 
 def stop_gradient(build):

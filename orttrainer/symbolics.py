@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 import torch
 from torch.onnx import symbolic_helper
-from torch.onnx._internal.torchscript_exporter import _type_utils, registration, symbolic_opset11
+from torch.onnx._internal.torchscript_exporter import _type_utils, registration, symbolic_opset9, symbolic_opset11
 from torch.onnx._internal.torchscript_exporter import utils as exporter_utils
 
 from . import rewrites
@@ -114,6 +114,40 @@ def softshrink(g, x, lambd):
     between = build.op("Where", [build.op("Less", [x, negative]), build.op("Add", [x, positive]),
                                  build.op("Mul", [x, build.const(0.0, dtype)])])  # fmt: skip
     return build.op("Where", [build.op("Greater", [x, positive]), build.op("Sub", [x, positive]), between])
+
+
+def atan2(g, y, x):
+    """torch's atan2, value and gradient, for float32.
+
+    torch's symbolic, atan(y / x) moved by ±pi by the signs, gave -pi for atan2(+0, -1) (torch: pi), the
+    wrong sign for x = -0, NaN for (0, 0) and (±inf, ±inf), and a NaN gradient wherever x = 0. Here the
+    value is IEEE's atan2 from the quadrant of (|x|, |y|) and the sign bits, computed from the detached
+    inputs (``rewrites.detached``), and the gradient is torch's: grad * x * r and -grad * y * r with
+    r = 1 / (y * y + x * x), 0 where that sum is 0. It enters through (y - y') * x' r + (x - x') * (-y' r)
+    with y', x' the detached inputs: 0 in value (taken as 0 where it is NaN, at infinite inputs), the
+    factors constants to the gradient builder.
+    """
+    if _numpy_dtype(y) != np.float32 or _numpy_dtype(x) != np.float32:
+        return symbolic_opset9.atan2(g, y, x)
+    build = _ExportGraph(g)
+    y_value, x_value = rewrites.detached(build, y), rewrites.detached(build, x)
+    size_y, size_x = build.op("Abs", [y_value]), build.op("Abs", [x_value])
+    angle = build.op("Atan", [build.op("Div", [size_y, size_x])])
+    both_zero = build.op("And", [build.op("Equal", [size_y, build.const(0.0)]), build.op("Equal", [size_x, build.const(0.0)])])
+    angle = rewrites.where(build, both_zero, 0.0, angle)
+    both_infinite = build.op("And", [build.op("IsInf", [size_y]), build.op("IsInf", [size_x])])
+    angle = rewrites.where(build, both_infinite, float(np.pi / 4), angle)
+    angle = rewrites.where(build, rewrites.sign_bit(build, x_value), build.op("Sub", [build.const(np.pi), angle]), angle)
+    value = rewrites.where(build, build.op("Not", [rewrites.sign_bit(build, y_value)]), angle, build.op("Neg", [angle]))
+    squares = build.op("Add", [build.op("Mul", [y_value, y_value]), build.op("Mul", [x_value, x_value])])
+    reciprocal = rewrites.where(build, build.op("Equal", [squares, build.const(0.0)]), 0.0, build.op("Reciprocal", [squares]))
+    along_y = build.op("Mul", [build.op("Sub", [y, y_value]), build.op("Mul", [x_value, reciprocal])])
+    along_x = build.op("Mul", [build.op("Sub", [x, x_value]), build.op("Neg", [build.op("Mul", [y_value, reciprocal])])])
+    gradient_carrier = build.op("Add", [along_y, along_x])
+    carrier = build.op("Add", [rewrites.where(build, build.op("IsNaN", [gradient_carrier]), 0.0, gradient_carrier), build.const(0.0)])
+    # value + carrier is value itself but for -0, which + (+0) turns into +0: there -(0 - carrier) (the same gradient)
+    return rewrites.where(build, build.op("Not", [rewrites.is_negative_zero(build, value)]), build.op("Add", [value, carrier]),
+                          build.op("Neg", [build.op("Sub", [build.const(0.0), carrier])]))  # fmt: skip
 
 
 def detach(g, x):
@@ -727,6 +761,7 @@ _SYMBOLICS = {
     "clamp_max": clamp_max,
     "hardtanh": hardtanh,
     "detach": detach,
+    "atan2": atan2,
     "hardshrink": hardshrink,
     "softshrink": softshrink,
     "relu6": relu6,

@@ -631,6 +631,18 @@ def test_shrink(function):
     check_against_torch(exported_model(function, {"x": x}, upstream, ["x"]), function, {"x": x}, ["x"], upstream)
 
 
+def test_atan2():
+    """symbolics.atan2 on every pair of edge values and a few ordinary ones: the value is IEEE's (torch's symbolic
+    gave -pi for atan2(+0, -1), the wrong sign at x = -0, NaN at (0, 0) and (inf, inf)), the gradient torch's
+    (NaN wherever x = 0 before), also at infinite inputs and where y * y + x * x underflows."""
+    edges = edge_values(0.5, -2.0, 3.0)
+    y, x = (np.repeat(edges, edges.size), np.tile(edges, edges.size))
+    values = {"y": y, "x": x}
+    upstream = upstream_like(y.shape)
+    function = lambda y, x: torch.atan2(y, x)  # noqa: E731
+    check_against_torch(exported_model(function, values, upstream, ["y", "x"]), function, values, ["y", "x"], upstream)
+
+
 _DETACHES = {
     "straight-through": lambda x: x + (torch.round(x * 4.0) / 4.0 - x).detach(),
     "times-itself-detached": lambda x: x * x.detach(),
