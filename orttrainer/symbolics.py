@@ -150,6 +150,46 @@ def atan2(g, y, x):
                           build.op("Neg", [build.op("Sub", [build.const(0.0), carrier])]))  # fmt: skip
 
 
+@symbolic_helper.parse_args("v", "i", "i", "i")
+def diagonal(g, x, offset, dim1, dim2):
+    """torch's diagonal (``torch.diagonal``, ``Tensor.diag`` of a matrix): the diagonal's positions gathered from
+    the rows it crosses, appended as the last dimension.
+
+    torch's symbolic multiplied x by an eye mask and summed each row, so an inf or NaN anywhere in a row made its
+    diagonal value NaN, and wrote an If for an empty diagonal, which the gradient builder cannot pass.
+    """
+    rank = symbolic_helper._get_tensor_rank(x)
+    if rank is None:
+        return symbolic_helper._unimplemented("diagonal", "unknown input rank", x)
+    dim1, dim2 = dim1 % rank, dim2 % rank
+    build = _ExportGraph(g)
+    moved = build.op("Transpose", [x], perm=[dim for dim in range(rank) if dim not in (dim1, dim2)] + [dim1, dim2])
+    shape = build.op("Shape", [moved])
+    rows = build.op("Slice", [shape, build.const([rank - 2], np.int64), build.const([rank - 1], np.int64)])
+    columns = build.op("Slice", [shape, build.const([rank - 1], np.int64), build.const([rank], np.int64)])
+    first_row, first_column = max(-offset, 0), max(offset, 0)
+    length = build.op("Max", [build.op("Min", [build.op("Sub", [rows, build.const([first_row], np.int64)]),
+                                               build.op("Sub", [columns, build.const([first_column], np.int64)])]),
+                              build.const([0], np.int64)])  # fmt: skip
+    crossed = build.op("Slice", [moved, build.const([first_row], np.int64),
+                                 build.op("Add", [length, build.const([first_row], np.int64)]), build.const([-2], np.int64)])  # fmt: skip
+    scalar_length = symbolic_helper._squeeze_helper(g, length, [0])
+    positions = build.op("Range", [build.const(first_column, np.int64),
+                                   build.op("Add", [scalar_length, build.const(first_column, np.int64)]), build.const(1, np.int64)])  # fmt: skip
+    batch = build.op("Slice", [shape, build.const([0], np.int64), build.const([rank - 2], np.int64)])
+    index_shape = build.op("Concat", [batch, length, build.const([1], np.int64)], axis=0)
+    indices = build.op("Expand", [symbolic_helper._unsqueeze_helper(g, positions, [1]), index_shape])
+    return symbolic_helper._squeeze_helper(g, build.op("GatherElements", [crossed, indices], axis=rank - 1), [rank - 1])
+
+
+@symbolic_helper.parse_args("v", "i")
+def diag(g, x, offset):
+    """torch's diag of a matrix (its diagonal, as ``diagonal``), which the exporter has no symbolic for."""
+    if symbolic_helper._get_tensor_rank(x) != 2:
+        return symbolic_helper._unimplemented("diag", "of a vector (the matrix made from it)", x)
+    return diagonal(g, x, offset, 0, 1)
+
+
 def detach(g, x):
     """torch's detach, which torch's symbolic drops (inference needs no gradient), as a marker node: export.py
     turns it into an Identity marked ``rewrites.STOP_GRADIENT``, which graph.make_differentiable cuts."""
@@ -761,6 +801,8 @@ _SYMBOLICS = {
     "clamp_max": clamp_max,
     "hardtanh": hardtanh,
     "detach": detach,
+    "diagonal": diagonal,
+    "diag": diag,
     "atan2": atan2,
     "hardshrink": hardshrink,
     "softshrink": softshrink,

@@ -830,3 +830,27 @@ def test_values_computed_under_no_grad_in_forward_get_no_gradient_as_in_torch():
     data = [(torch.randn(5, 6, generator=generator) * 3, torch.randint(0, 4, (5,), generator=generator)) for _ in range(3)]
     run_parity(NoGradTarget(), data, optim.SGDConfig(lr=0.5), functools.partial(torch.optim.SGD, lr=0.5),
                loss_fn=F.cross_entropy, options=cpu_options())  # fmt: skip
+
+
+
+# ------------------------------------------------------------------ diagonal
+class CrossCorrelation(nn.Module):
+    """Barlow Twins' loss on two projections of the batch: the [batch, batch] similarity's diagonal pulled to 1
+    (torch.diagonal, Tensor.diag), the rest pushed to 0; the batch size, and with it the diagonal, is dynamic."""
+
+    def __init__(self):
+        super().__init__()
+        self.left, self.right = nn.Linear(6, 5), nn.Linear(6, 5)
+
+    def forward(self, x):
+        similarity = self.left(x) @ self.right(x).t() / x.shape[1]
+        on = (torch.diagonal(similarity) - 1.0).pow(2).sum()
+        return on + 0.05 * (similarity.pow(2).sum() - similarity.diag().pow(2).sum())
+
+
+def test_diagonal_of_a_batch_sized_matrix_trains_as_torch_at_two_batch_sizes():
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(size, 6, generator=generator),) for size in (7, 7, 4)]
+    run_parity(CrossCorrelation(), data, optim.SGDConfig(lr=0.05), functools.partial(torch.optim.SGD, lr=0.05),
+               loss_fn=None, options=cpu_options(), reference_loss=lambda module, batch: module(*batch))  # fmt: skip
