@@ -484,11 +484,10 @@ def make_differentiable(model: onnx.ModelProto, weight_names, loss_name: str, fa
     """Rewrite (rewrites.py) the ops between weights and loss that have no usable gradient, then
     raise one GradientBuildError listing every op on that path that still has none.
 
-    A rewrite keeps its node's inputs and outputs, so the path found before rewriting holds after; so does the
-    detach's (``_stop_gradients``), which the path does not pass.
+    A rewrite keeps its node's inputs and outputs, so the path found before rewriting holds after. The path does
+    not pass a detach (``stop_gradients`` cuts them later, after a conversion to float16).
     """
     on_path = _nodes_between(model, weight_names, loss_name, facts)
-    _stop_gradients(model, weight_names, facts)
     without_gradient = [(node.name, describe_node(node)) for node in on_path
                         if node.op_type in OPS_WITHOUT_GRADIENT and not rewrites.is_torch_hard_sigmoid(node)]  # fmt: skip
     untrainable_inputs = _untrainable_inputs(on_path, weight_names)
@@ -508,18 +507,29 @@ def make_differentiable(model: onnx.ModelProto, weight_names, loss_name: str, fa
         raise GradientBuildError(f"onnxruntime-training has no gradient for these ops between the weights and the loss: {listed}")
 
 
-def _stop_gradients(model: onnx.ModelProto, weight_names, facts: TensorFacts = None) -> None:
+_DETACHED_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+
+
+def stop_gradients(model: onnx.ModelProto, weight_names) -> None:
     """Replace each detach that reads a value computed from the weights by ``rewrites.detached``: the same values,
-    on no path the gradient builder follows (it follows an Identity). Other detaches stay Identities."""
-    elem_types = (facts or infer_tensor_facts(model)).elem_types
+    on no path the gradient builder follows (it follows an Identity). Other detaches stay Identities.
+
+    Run on the graph as the builder gets it (float16 under mixed precision: ``rewrites.detached`` works in
+    float32, which holds every float16 value exactly).
+    """
+    if not any(_is_stop_gradient(node) for node in model.graph.node):
+        return
+    _sort_topologically(model.graph)  # the float16 conversion appends its casts of the weights
+    elem_types = infer_tensor_facts(model).elem_types
     cut = [node for node in _nodes_reading(model, weight_names, elem_types) if _is_stop_gradient(node)]
-    not_float32 = [node for node in cut if elem_types.get(node.input[0]) != onnx.TensorProto.FLOAT]
-    if not_float32:
-        raise GradientBuildError("detach() of a value computed from the weights is supported for float32 values; "
-                                 + "; ".join(f"{describe_node(node)} detaches a "
-                                             f"{onnx.TensorProto.DataType.Name(elem_types.get(node.input[0], 0))} value"
-                                             for node in not_float32))  # fmt: skip
-    rewrites.replace_nodes(model, {"Identity": rewrites.stop_gradient}, cut)
+    unsupported = [node for node in cut if elem_types.get(node.input[0], 0) not in (*_DETACHED_TYPES, 0)]
+    if unsupported:
+        raise GradientBuildError("detach() of a value computed from the weights is supported for float32 and float16 "
+                                 "values; " + "; ".join(f"{describe_node(node)} detaches a "
+                                                        f"{onnx.TensorProto.DataType.Name(elem_types[node.input[0]])} value"
+                                                        for node in unsupported))  # fmt: skip
+    detached_types = {node.name: elem_types.get(node.input[0], 0) or onnx.TensorProto.FLOAT for node in cut}
+    rewrites.replace_nodes(model, {"Identity": lambda build: rewrites.stop_gradient(build, detached_types[build.node.name])}, cut)
 
 
 def _read_weights_once_per_node(model: onnx.ModelProto, weight_names) -> None:
@@ -727,6 +737,7 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
         kept = [loss_name] + [o.name for o in model.graph.output if o.name not in output_names]
         model = to_mixed_precision(model, kept)
         gradient_of = _scale_loss(model, loss_name)
+    stop_gradients(model, graph_trainable)
     _dropout_ratio_times_input(model, scalable=not mixed_precision)
     options = _quiet_session_options()
     optimized = onnx.load_from_string(get_optimized_model(model.SerializeToString(), set(graph_trainable), options))

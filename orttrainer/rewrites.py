@@ -269,9 +269,14 @@ def sign_bit(build, v):
     return build.op("Or", [build.op("Less", [v, build.const(0.0)]), is_negative_zero(build, v)])
 
 
-def stop_gradient(build):
-    """torch's detach of the node's input (an Identity marked ``STOP_GRADIENT``): ``detached``."""
-    detached(build, build.node.input[0], build.node.output[0])
+def stop_gradient(build, elem_type=onnx.TensorProto.FLOAT):
+    """torch's detach of the node's input (an Identity marked ``STOP_GRADIENT``): ``detached``, through float32
+    for a float16 input (which float32 holds exactly)."""
+    x, output = build.node.input[0], build.node.output[0]
+    if elem_type == onnx.TensorProto.FLOAT:
+        detached(build, x, output)
+    else:
+        build.op("Cast", [detached(build, build.op("Cast", [x], to=onnx.TensorProto.FLOAT))], output, to=elem_type)
 
 
 def softplus(build):

@@ -192,7 +192,7 @@ def diag(g, x, offset):
 
 def detach(g, x):
     """torch's detach, which torch's symbolic drops (inference needs no gradient), as a marker node: export.py
-    turns it into an Identity marked ``rewrites.STOP_GRADIENT``, which graph.make_differentiable cuts."""
+    turns it into an Identity marked ``rewrites.STOP_GRADIENT``, which graph.stop_gradients cuts."""
     detached = g.op(f"{DOMAIN}::Detach", x)
     detached.setType(x.type())
     return detached

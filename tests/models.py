@@ -160,3 +160,33 @@ class TokenTagger(nn.Module):
 
     def forward(self, tokens):
         return self.out(F.gelu(self.hidden(self.tokens(tokens)))).transpose(1, 2)
+
+
+class StraightThrough(nn.Module):
+    """A straight-through rounding (VQ / quantization-aware training), a stop-gradient branch (SimSiam, BYOL) and a
+    head that reaches the loss only through a detach (torch gives it no gradient, so SGD leaves it as it is)."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder, self.head, self.probe = nn.Linear(6, 6), nn.Linear(6, 4), nn.Linear(6, 4)
+
+    def forward(self, x):
+        h = self.encoder(x)
+        quantized = h + (torch.round(h * 2.0) / 2.0 - h).detach()
+        return self.head(quantized) + 0.5 * self.head(h.detach()) + self.probe(x).detach()
+
+
+class NoGradTarget(nn.Module):
+    """A target computed under torch.no_grad() from the same encoder (and a scale from its output), which torch
+    gives no gradient: the trace records no grad mode, export._NoGradResultsDetached detaches them."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder, self.head = nn.Linear(6, 6), nn.Linear(6, 4)
+
+    def forward(self, x):
+        h = self.encoder(x)
+        with torch.no_grad():
+            target = self.encoder(x * 2.0).softmax(-1)
+            scale = h.abs().mean() + 1.0
+        return self.head(h * target / scale)

@@ -7,7 +7,7 @@ import onnx
 import pytest
 import torch
 import torch.nn.functional as F
-from models import CNN, MLP, Encoder, cnn_batch, lm_loss, mlp_batch, token_batch
+from models import CNN, MLP, Encoder, NoGradTarget, StraightThrough, cnn_batch, lm_loss, mlp_batch, token_batch
 from parity import cpu_options
 from reference_optim import ReferenceOptimizer, legacy_hyper_parameters
 from zoo import RecurrentClassifier, padded_token_batch
@@ -186,3 +186,23 @@ def set_input_name(value):
 def test_scaler_argument_checks(build, error, message):
     with pytest.raises(error, match=message):
         build()
+
+
+
+@pytest.mark.parametrize("make_model", [StraightThrough, NoGradTarget], ids=["straight-through", "no-grad-target"])
+def test_detach_and_no_grad_train_under_mixed_precision(make_model):
+    """The detach's exact copy (graph.stop_gradients) runs in float32 inside the float16 graph; the first step
+    passes the check against torch, and the float16 losses track the float32 ones."""
+
+    def losses(mixed):
+        torch.manual_seed(0)
+        options = {"mixed_precision": {"enabled": mixed, "loss_scaler": amp.DynamicLossScaler(loss_scale=1024.0)}}
+        trainer = ORTTrainer(make_model(), None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy,
+                             options=cpu_options(options))  # fmt: skip
+        generator = torch.Generator().manual_seed(1)
+        x, labels = torch.randn(16, 6, generator=generator) * 3, torch.randint(0, 4, (16,), generator=generator)
+        return [trainer.train_step(x, labels)[0].item() for _ in range(6)]
+
+    float32, float16 = losses(False), losses(True)
+    np.testing.assert_allclose(float16, float32, rtol=2e-2)
+    assert float32[-1] < float32[0]

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from models import CNN, MLP, cnn_batch, mlp_batch
+from models import CNN, MLP, NoGradTarget, StraightThrough, cnn_batch, mlp_batch
 from parity import cpu_options, run_parity
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, build, optim
@@ -779,20 +779,6 @@ def test_a_weight_read_twice_by_one_op_trains_as_torch():
 
 
 # ------------------------------------------------------------------ detach
-class StraightThrough(nn.Module):
-    """A straight-through rounding (VQ / quantization-aware training), a stop-gradient branch (SimSiam, BYOL) and a
-    head that reaches the loss only through a detach (torch gives it no gradient, so SGD leaves it as it is)."""
-
-    def __init__(self):
-        super().__init__()
-        self.encoder, self.head, self.probe = nn.Linear(6, 6), nn.Linear(6, 4), nn.Linear(6, 4)
-
-    def forward(self, x):
-        h = self.encoder(x)
-        quantized = h + (torch.round(h * 2.0) / 2.0 - h).detach()
-        return self.head(quantized) + 0.5 * self.head(h.detach()) + self.probe(x).detach()
-
-
 def test_detach_trains_as_torch_and_evaluates_as_the_module():
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1)
@@ -806,22 +792,6 @@ def test_detach_trains_as_torch_and_evaluates_as_the_module():
     reference.eval()
     torch.testing.assert_close(trainer.eval_step(*data[0])[1], reference(data[0][0]), atol=1e-5, rtol=1e-5)
 
-
-
-class NoGradTarget(nn.Module):
-    """A target computed under torch.no_grad() from the same encoder (and a scale from its output), which torch
-    gives no gradient: the trace records no grad mode, export._NoGradResultsDetached detaches them."""
-
-    def __init__(self):
-        super().__init__()
-        self.encoder, self.head = nn.Linear(6, 6), nn.Linear(6, 4)
-
-    def forward(self, x):
-        h = self.encoder(x)
-        with torch.no_grad():
-            target = self.encoder(x * 2.0).softmax(-1)
-            scale = h.abs().mean() + 1.0
-        return self.head(h * target / scale)
 
 
 def test_values_computed_under_no_grad_in_forward_get_no_gradient_as_in_torch():
