@@ -57,6 +57,14 @@ def _numpy_dtype(value) -> np.dtype:
     return torch.empty(0, dtype=_type_utils.JitScalarType.from_value(value).dtype()).numpy().dtype
 
 
+def detach(g, x):
+    """torch's detach, which torch's symbolic drops (inference needs no gradient), as a marker node: export.py
+    turns it into an Identity marked ``rewrites.STOP_GRADIENT``, which graph.stop_gradients cuts."""
+    detached = g.op(f"{DOMAIN}::Detach", x)
+    detached.setType(x.type())
+    return detached
+
+
 def _clamp_min(build, x, low):
     """torch's clamp_min: gradient 1 from ``low`` on (at ``low`` too), 0 below; NaN stays NaN, gradient 0."""
     below = rewrites.where(build, build.op("Less", [x, build.const(low)]), low, float("nan"))
@@ -122,7 +130,7 @@ def atan2(g, y, x):
     torch's symbolic, atan(y / x) moved by ±pi by the signs, gave -pi for atan2(+0, -1) (torch: pi), the
     wrong sign for x = -0, NaN for (0, 0) and (±inf, ±inf), and a NaN gradient wherever x = 0. Here the
     value is IEEE's atan2 from the quadrant of (|x|, |y|) and the sign bits, computed from the detached
-    inputs (``rewrites.detached``), and the gradient is torch's: grad * x * r and -grad * y * r with
+    inputs (``detach``), and the gradient is torch's: grad * x * r and -grad * y * r with
     r = 1 / (y * y + x * x), 0 where that sum is 0. It enters through (y - y') * x' r + (x - x') * (-y' r)
     with y', x' the detached inputs: 0 in value (taken as 0 where it is NaN, at infinite inputs), the
     factors constants to the gradient builder.
@@ -130,12 +138,13 @@ def atan2(g, y, x):
     if _numpy_dtype(y) != np.float32 or _numpy_dtype(x) != np.float32:
         return symbolic_opset9.atan2(g, y, x)
     build = _ExportGraph(g)
-    y_value, x_value = rewrites.detached(build, y), rewrites.detached(build, x)
+    y_value, x_value = detach(g, y), detach(g, x)
     size_y, size_x = build.op("Abs", [y_value]), build.op("Abs", [x_value])
     angle = build.op("Atan", [build.op("Div", [size_y, size_x])])
     both_zero = build.op("And", [build.op("Equal", [size_y, build.const(0.0)]), build.op("Equal", [size_x, build.const(0.0)])])
     angle = rewrites.where(build, both_zero, 0.0, angle)
-    both_infinite = build.op("And", [build.op("IsInf", [size_y]), build.op("IsInf", [size_x])])
+    infinity = build.const(float("inf"), _numpy_dtype(y))  # Equal rather than IsInf, which takes no float16 before opset 20
+    both_infinite = build.op("And", [build.op("Equal", [size_y, infinity]), build.op("Equal", [size_x, infinity])])
     angle = rewrites.where(build, both_infinite, float(np.pi / 4), angle)
     angle = rewrites.where(build, rewrites.sign_bit(build, x_value), build.op("Sub", [build.const(np.pi), angle]), angle)
     value = rewrites.where(build, build.op("Not", [rewrites.sign_bit(build, y_value)]), angle, build.op("Neg", [angle]))
@@ -188,14 +197,6 @@ def diag(g, x, offset):
     if symbolic_helper._get_tensor_rank(x) != 2:
         return symbolic_helper._unimplemented("diag", "of a vector (the matrix made from it)", x)
     return diagonal(g, x, offset, 0, 1)
-
-
-def detach(g, x):
-    """torch's detach, which torch's symbolic drops (inference needs no gradient), as a marker node: export.py
-    turns it into an Identity marked ``rewrites.STOP_GRADIENT``, which graph.stop_gradients cuts."""
-    detached = g.op(f"{DOMAIN}::Detach", x)
-    detached.setType(x.type())
-    return detached
 
 
 @symbolic_helper.parse_args("v", "f", "f")
@@ -339,7 +340,7 @@ def _bce_saturated(build, p, target):
 
     The gradient is that of G = (s^2 / 2 - (t - p0) s) / 1e-12 with s = p - p0 and p0 the
     nearer of 0 and 1 (|G| stays below |t| + 1); the value is G + (value - G) with the
-    bracket detached (rewrites.detached), so it is torch's up to the rounding of that sum.
+    bracket detached (``detach``), so it is torch's up to the rounding of that sum.
     """
     nearer = rewrites.where(build, build.op("Greater", [p, build.const(0.5)]), 1.0, 0.0)
     s = build.op("Sub", [p, nearer])
@@ -347,7 +348,7 @@ def _bce_saturated(build, p, target):
     half_square = build.op("Mul", [build.op("Mul", [s, s]), build.const(0.5)])
     surrogate = build.op("Div", [build.op("Sub", [half_square, build.op("Mul", [slope, s])]), build.const(_BCE_EPSILON)])
     value = _bce_value(build, p, target, clamp=True)
-    return build.op("Add", [surrogate, rewrites.detached(build, build.op("Sub", [value, surrogate]))])
+    return build.op("Add", [surrogate, detach(build.g, build.op("Sub", [value, surrogate]))])
 
 
 @symbolic_helper.parse_args("v", "v", "v", "i")
@@ -612,7 +613,7 @@ def cosine_similarity(g, x1, x2, dim, eps):
     def normalised(x):
         norm = _vector_norm(g, x, 2.0, dim, True)
         raised = build.op("Max", [build.op("Sub", [build.const(eps), norm]), build.const(0.0)])  # what the clamp adds: 0 from eps on, also at inf
-        clamped = build.op("Add", [norm, rewrites.detached(build, raised)])
+        clamped = build.op("Add", [norm, detach(g, raised)])
         return build.op("Div", [x, clamped])
 
     return build.reduce("ReduceSum", build.op("Mul", [normalised(x1), normalised(x2)]), [dim], 0)

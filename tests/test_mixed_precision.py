@@ -206,3 +206,38 @@ def test_detach_and_no_grad_train_under_mixed_precision(make_model):
     float32, float16 = losses(False), losses(True)
     np.testing.assert_allclose(float16, float32, rtol=2e-2)
     assert float32[-1] < float32[0]
+
+
+
+class DetachingSymbolics(torch.nn.Module):
+    """cosine_similarity, atan2 and (in the loss) binary_cross_entropy: orttrainer's symbolics for them detach a
+    part of their value, which graph.stop_gradients cuts after the float16 conversion."""
+
+    def __init__(self):
+        super().__init__()
+        self.left, self.right = torch.nn.Linear(6, 4), torch.nn.Linear(6, 4)
+
+    def forward(self, x):
+        u, v = self.left(x), self.right(x)
+        return torch.stack([F.cosine_similarity(u, v), torch.atan2(u[:, 0], v[:, 1]), torch.sigmoid(u[:, 2])], 1)
+
+
+def _regression_and_probability_loss(output, target):
+    return F.mse_loss(output[:, :2], target[:, :2]) + F.binary_cross_entropy(output[:, 2], target[:, 2])
+
+
+def test_symbolics_that_detach_train_under_mixed_precision():
+    """Their detached part once passed float32 scales of up to 2^120 through the float16 graph (clipped to 65504)."""
+
+    def losses(mixed):
+        torch.manual_seed(0)
+        options = {"mixed_precision": {"enabled": mixed, "loss_scaler": amp.DynamicLossScaler(loss_scale=1024.0)}}
+        trainer = ORTTrainer(DetachingSymbolics(), None, optim.SGDConfig(lr=0.1), loss_fn=_regression_and_probability_loss,
+                             options=cpu_options(options))  # fmt: skip
+        generator = torch.Generator().manual_seed(1)
+        x, target = torch.randn(16, 6, generator=generator), torch.rand(16, 3, generator=generator)
+        return [trainer.train_step(x, target)[0].item() for _ in range(5)]
+
+    float32, float16 = losses(False), losses(True)
+    np.testing.assert_allclose(float16, float32, rtol=2e-2)
+    assert float32[-1] < 0.7 * float32[0]
