@@ -749,7 +749,7 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     except RuntimeError as error:
         raise _builder_error(error, optimized.graph) from error
     train_model = onnx.load_from_string(builder.get_model())
-    drop_empty_broadcast_reductions(train_model, facts or infer_tensor_facts(forward))
+    drop_empty_broadcast_reductions(train_model, rewrites.symbolic_shapes(forward))
     defined_gradients.zero_gradient_at_bounds(train_model)
     defined_gradients.spell_forwards(train_model, keep_for_torch)
     defined_gradients.spell_forwards(eval_model, keep_for_torch)
@@ -764,40 +764,42 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
 
 
 def _keeps_its_shape(own, other) -> bool:
-    """Whether a tensor of shape ``own`` keeps it when broadcast with one of shape ``other`` (None: a dynamic
-    size): it has as many dims or more, and on each it is a static size above 1, the same static size, or
-    the other's is a static 1."""
+    """Whether a tensor of shape ``own`` keeps it when broadcast with one of shape ``other`` (sizes, symbolic
+    names, None where unknown): it has as many dims or more, and on each it has a static size above 1, the
+    same size or name as the other (a name stands for one size in a graph: model_desc's check), or the
+    other's is a static 1."""
     if own is None or other is None or len(own) < len(other):
         return False
-    return all((mine is not None and (mine > 1 or mine == theirs)) or theirs == 1
+    return all((mine is not None and ((isinstance(mine, int) and mine > 1) or mine == theirs)) or theirs == 1
                for mine, theirs in zip(reversed(own), reversed(other)))  # fmt: skip
 
 
-def _reduced_operand_keeps_its_shape(node, shape_of, forward, facts: TensorFacts) -> bool:
+def _reduced_operand_keeps_its_shape(node, shape_of, forward, shapes: dict) -> bool:
     """For a ReduceSum that reads the axes ``BroadcastGradientArgs(Shape(a), Shape(b))`` gives one of a and b:
-    whether that operand can never have been broadcast, from the static shapes of the forward graph."""
+    whether that operand can never have been broadcast, from the forward graph's shapes."""
     arguments = shape_of.get(node.input[1])
     if arguments is None:
         return False
     operands, position = arguments
-    own, other = (facts.shapes.get(name) for name in (operands[position], operands[1 - position]))
+    own, other = (shapes.get(name) for name in (operands[position], operands[1 - position]))
     if other is None:  # a MatMul's gradient compares the operand with its gradient before the reduction
         matmul = forward.get(node.name.rpartition("_Grad/")[0])
         if matmul is None or matmul.op_type != "MatMul" or operands[position] not in matmul.input[:2] or own is None:
             return False
-        other = facts.shapes.get(matmul.input[1 - list(matmul.input).index(operands[position])])
+        other = shapes.get(matmul.input[1 - list(matmul.input).index(operands[position])])
         return other is not None and len(own) >= 2 and _keeps_its_shape(own[:-2], other[:-2] if len(other) > 2 else [])
     return _keeps_its_shape(own, other)
 
 
-def drop_empty_broadcast_reductions(model: onnx.ModelProto, facts: TensorFacts) -> None:
+def drop_empty_broadcast_reductions(model: onnx.ModelProto, shapes: dict) -> None:
     """Remove, in place, the gradient builder's broadcast reductions that never reduce.
 
     Where it cannot see an operand's shape at build time, the builder sums the gradient over the axes
     ``BroadcastGradientArgs`` finds at run time (``ReduceSum`` with ``noop_with_empty_axes``). When the
     operand was not broadcast that sum is a copy of the gradient: 26 of them cost 2.9 ms of the encoder's
-    step (benchmarks/NOTES.md §36). Those whose operand provably keeps its shape (a bias add's input, a
-    MatMul's operand against a matrix, a product with a scalar) are skipped; the rest stay.
+    step (benchmarks/NOTES.md §36). Those whose operand provably keeps its shape, by the forward graph's
+    ``shapes`` (``rewrites.symbolic_shapes``: a bias add's input, a residual sum of two [batch, ...]
+    tensors, a MatMul's operand against a matrix, a product with a scalar) are skipped; the rest stay.
     """
     producers = {output: node for node in model.graph.node for output in node.output}
     forward = {node.name: node for node in model.graph.node}
@@ -812,7 +814,7 @@ def drop_empty_broadcast_reductions(model: onnx.ModelProto, facts: TensorFacts) 
     renamed = {}
     for node in model.graph.node:
         if (node.op_type == "ReduceSum" and len(node.input) > 1 and node.output[0] not in graph_outputs
-                and _reduced_operand_keeps_its_shape(node, shape_of, forward, facts)):  # fmt: skip
+                and _reduced_operand_keeps_its_shape(node, shape_of, forward, shapes)):  # fmt: skip
             renamed[node.output[0]] = node.input[0]
     if not renamed:
         return
