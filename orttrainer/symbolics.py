@@ -508,7 +508,6 @@ def _unary(onnx_op):
     return symbolic
 
 
-
 @symbolic_helper.parse_args("v", "v", "i", "b", "v")
 def embedding(g, weight, indices, padding_idx, scale_grad_by_freq, sparse):
     """A Gather; with padding_idx or scale_grad_by_freq, whose indices pass through a marker node.
