@@ -749,7 +749,7 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     except RuntimeError as error:
         raise _builder_error(error, optimized.graph) from error
     train_model = onnx.load_from_string(builder.get_model())
-    drop_empty_broadcast_reductions(train_model, rewrites.symbolic_shapes(forward))
+    drop_empty_broadcast_reductions(train_model, forward)
     defined_gradients.zero_gradient_at_bounds(train_model)
     defined_gradients.spell_forwards(train_model, keep_for_torch)
     defined_gradients.spell_forwards(eval_model, keep_for_torch)
@@ -791,16 +791,19 @@ def _reduced_operand_keeps_its_shape(node, shape_of, forward, shapes: dict) -> b
     return _keeps_its_shape(own, other)
 
 
-def drop_empty_broadcast_reductions(model: onnx.ModelProto, shapes: dict) -> None:
+def drop_empty_broadcast_reductions(model: onnx.ModelProto, forward: onnx.ModelProto) -> None:
     """Remove, in place, the gradient builder's broadcast reductions that never reduce.
 
     Where it cannot see an operand's shape at build time, the builder sums the gradient over the axes
     ``BroadcastGradientArgs`` finds at run time (``ReduceSum`` with ``noop_with_empty_axes``). When the
     operand was not broadcast that sum is a copy of the gradient: 26 of them cost 2.9 ms of the encoder's
-    step (benchmarks/NOTES.md §36). Those whose operand provably keeps its shape, by the forward graph's
-    ``shapes`` (``rewrites.symbolic_shapes``: a bias add's input, a residual sum of two [batch, ...]
+    step (benchmarks/NOTES.md §36). Those whose operand provably keeps its shape, by the shapes of the
+    ``forward`` graph (``rewrites.symbolic_shapes``: a bias add's input, a residual sum of two [batch, ...]
     tensors, a MatMul's operand against a matrix, a product with a scalar) are skipped; the rest stay.
     """
+    if not any(node.op_type == "BroadcastGradientArgs" for node in model.graph.node):
+        return  # a CNN's graph, typically: no shape inference for nothing
+    shapes = rewrites.symbolic_shapes(forward)
     producers = {output: node for node in model.graph.node for output in node.output}
     forward = {node.name: node for node in model.graph.node}
     shape_of = {}  # axes tensor -> ((a, b), position) of the BroadcastGradientArgs that gives it
