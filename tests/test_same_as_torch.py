@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from models import CNN, MLP, NoGradTarget, StraightThrough, cnn_batch, mlp_batch
 from parity import cpu_options, run_parity
 
-from orttrainer import ORTTrainer, ORTTrainerOptions, build, optim
+from orttrainer import GradientBuildError, ORTTrainer, ORTTrainerOptions, build, optim
 from orttrainer.export import ExportError
 from orttrainer.verify import TorchMismatchError
 
@@ -792,6 +792,24 @@ def test_detach_trains_as_torch_and_evaluates_as_the_module():
     reference.eval()
     torch.testing.assert_close(trainer.eval_step(*data[0])[1], reference(data[0][0]), atol=1e-5, rtol=1e-5)
 
+
+
+class DoubleStraightThrough(nn.Module):
+    """A straight-through rounding computed in float64: rewrites.detached passes float32 (and float16) exactly."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h + (h.double().round().detach() - h.double().detach()).float()
+
+
+def test_detach_of_a_float64_value_on_a_weights_path_is_refused_naming_the_node():
+    trainer = ORTTrainer(DoubleStraightThrough(), None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
+    with pytest.raises(GradientBuildError, match=r"float32 and float16 values; Identity \(node '/model/Detach'\) detaches a DOUBLE"):
+        trainer.train_step(torch.randn(5, 4), torch.randint(0, 3, (5,)))
 
 
 def test_values_computed_under_no_grad_in_forward_get_no_gradient_as_in_torch():
