@@ -774,7 +774,7 @@ def _keeps_its_shape(own, other) -> bool:
                for mine, theirs in zip(reversed(own), reversed(other)))  # fmt: skip
 
 
-def _reduced_operand_keeps_its_shape(node, shape_of, forward, shapes: dict) -> bool:
+def _reduced_operand_keeps_its_shape(node, shape_of, nodes_by_name: dict, shapes: dict) -> bool:
     """For a ReduceSum that reads the axes ``BroadcastGradientArgs(Shape(a), Shape(b))`` gives one of a and b:
     whether that operand can never have been broadcast, from the forward graph's shapes."""
     arguments = shape_of.get(node.input[1])
@@ -783,7 +783,7 @@ def _reduced_operand_keeps_its_shape(node, shape_of, forward, shapes: dict) -> b
     operands, position = arguments
     own, other = (shapes.get(name) for name in (operands[position], operands[1 - position]))
     if other is None:  # a MatMul's gradient compares the operand with its gradient before the reduction
-        matmul = forward.get(node.name.rpartition("_Grad/")[0])
+        matmul = nodes_by_name.get(node.name.rpartition("_Grad/")[0])
         if matmul is None or matmul.op_type != "MatMul" or operands[position] not in matmul.input[:2] or own is None:
             return False
         other = shapes.get(matmul.input[1 - list(matmul.input).index(operands[position])])
@@ -805,7 +805,7 @@ def drop_empty_broadcast_reductions(model: onnx.ModelProto, forward: onnx.ModelP
         return  # a CNN's graph, typically: no shape inference for nothing
     shapes = rewrites.symbolic_shapes(forward)
     producers = {output: node for node in model.graph.node for output in node.output}
-    forward = {node.name: node for node in model.graph.node}
+    nodes_by_name = {node.name: node for node in model.graph.node}
     shape_of = {}  # axes tensor -> ((a, b), position) of the BroadcastGradientArgs that gives it
     for node in model.graph.node:
         if node.op_type == "BroadcastGradientArgs":
@@ -817,10 +817,11 @@ def drop_empty_broadcast_reductions(model: onnx.ModelProto, forward: onnx.ModelP
     renamed = {}
     for node in model.graph.node:
         if (node.op_type == "ReduceSum" and len(node.input) > 1 and node.output[0] not in graph_outputs
-                and _reduced_operand_keeps_its_shape(node, shape_of, forward, shapes)):  # fmt: skip
+                and _reduced_operand_keeps_its_shape(node, shape_of, nodes_by_name, shapes)):  # fmt: skip
             renamed[node.output[0]] = node.input[0]
     if not renamed:
         return
+
     def source(name):
         while name in renamed:
             name = renamed[name]

@@ -793,7 +793,6 @@ def test_detach_trains_as_torch_and_evaluates_as_the_module():
     torch.testing.assert_close(trainer.eval_step(*data[0])[1], reference(data[0][0]), atol=1e-5, rtol=1e-5)
 
 
-
 class DoubleStraightThrough(nn.Module):
     """A straight-through rounding computed in float64: rewrites.detached passes float32 (and float16) exactly."""
 
