@@ -122,12 +122,13 @@ WORKLOADS = [
 
 
 def workload_named(text):
-    """The one workload whose name is ``text`` or, failing that, the one that contains it
-    (case-insensitive); a ValueError listing the names otherwise."""
-    exact = [w for w in WORKLOADS if w.name.lower() == text.lower()]
-    matches = exact or [w for w in WORKLOADS if text.lower() in w.name.lower()]
+    """The one workload (of ``WORKLOADS`` and the zoo's) whose name is ``text`` or, failing that, the
+    one that contains it (case-insensitive); a ValueError listing the names otherwise."""
+    candidates = WORKLOADS + zoo_workloads()
+    exact = [w for w in candidates if w.name.lower() == text.lower()]
+    matches = exact or [w for w in candidates if text.lower() in w.name.lower()]
     if len(matches) != 1:
-        names = "\n  ".join(w.name for w in WORKLOADS)
+        names = "\n  ".join(w.name for w in candidates)
         raise ValueError(f"--workload {text!r} matches {len(matches)} workloads; give a part of one of:\n  {names}")
     return matches[0]
 

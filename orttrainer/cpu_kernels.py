@@ -4,7 +4,8 @@ and ones that round differently from torch's by exact ones.
 Some kernels of onnxruntime-training 1.19 are scalar, single-threaded loops on the CPU,
 several times slower than the same arithmetic spelled with ONNX Runtime's vectorised
 elementwise ops (measured in benchmarks/NOTES.md): the softmax cross-entropy loss and its
-gradient, the GELU (erf and tanh forms), ReLU, max-pool and layer-norm gradients. Each function below emits,
+gradient, the GELU (erf and tanh forms), ReLU, max-pool and layer-norm gradients, and the scatter
+of a constant-index Gather's gradient. Each function below emits,
 through a :class:`~orttrainer.rewrites.NodeBuilder`, the same values with fast ops; values and
 gradients are checked against the originals in tests/test_cpu_kernels.py and against torch,
 also at boundary values (-inf logits, ignored labels, NaN), in tests/test_boundary_values.py.
@@ -22,8 +23,9 @@ from collections import defaultdict
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
-from .rewrites import NodeBuilder, opset, replace_nodes, shapes_in
+from .rewrites import NodeBuilder, node_attribute, node_attributes, opset, replace_nodes, shapes_in, static_shapes
 
 
 def _like(build: NodeBuilder, value: float, tensor: str) -> str:
@@ -227,6 +229,53 @@ def layer_norm_grad(build: NodeBuilder):
     return True
 
 
+def _gathering_positions(indices: np.ndarray, length: int) -> np.ndarray:
+    """[K, length] table: row k holds, for each position of the gathered axis, the k-th output
+    position (ascending) that gathered it, or ``len(indices)`` (a zero slot) where fewer did."""
+    positions = np.where(indices < 0, indices + length, indices)
+    counts = np.bincount(positions, minlength=length)
+    table = np.full((max(int(counts.max()), 1), length), len(indices), np.int64)
+    order = np.argsort(positions, kind="stable")
+    rank = np.arange(len(order)) - np.repeat(np.cumsum(counts) - counts, counts)
+    table[rank, positions[order]] = order
+    return table
+
+
+def gather_grad(build: NodeBuilder):
+    """GatherGrad of constant 1-d indices (the Gathers of bilinear interpolation and of padding,
+    rewrites.py) as gathers: for each input position, the gradients of the K outputs that read it,
+    each of K Gathers picking one of them (a zero slot where fewer read it), and their sum.
+
+    GatherGrad scatters under a lock per element: 2.8 ms of the zoo's bilinear U-Net's 7.6 ms step,
+    torch's upsample backward 0.2 (benchmarks/NOTES.md §37). The same terms are added (an inf or
+    NaN reaches the same positions); their order may differ by an ulp, and a sum of -0 terms is -0
+    where the scatter into zeros gave +0. Needs the gathered axis's static length.
+    """
+    shape, indices, dy = build.node.input[:3]
+    source = build.facts.producers.get(shape)
+    whole_shape = source is not None and source.op_type == "Shape" and node_attributes(source).keys() <= {"start"}
+    if indices not in build.constants or not whole_shape or node_attribute(source, "start", 0) != 0:
+        return False
+    index = build.constants[indices]
+    data_shape = build.shapes.get(source.input[0])
+    if index.ndim != 1 or not index.size or not data_shape:
+        return False
+    axis = build.attribute("axis", 0) % len(data_shape)
+    length = data_shape[axis]
+    if not isinstance(length, int):
+        return False
+    table = _gathering_positions(index.astype(np.int64), length)
+    if (table == len(index)).any():  # a zero slot after the outputs' gradients
+        pads = [0] * (2 * len(data_shape))
+        pads[len(data_shape) + axis] = 1
+        dy = build.op("Pad", [dy, build.const(pads, np.int64)])
+    if len(table) == 1:
+        build.op("Gather", [dy, build.const(table[0], np.int64)], build.node.output[0], axis=axis)
+    else:
+        build.op("Sum", [build.op("Gather", [dy, build.const(row, np.int64)], axis=axis) for row in table], build.node.output[0])
+    return True
+
+
 FAST_CPU_KERNELS = {
     "SoftmaxCrossEntropyLoss": softmax_cross_entropy_loss,
     "SoftmaxCrossEntropyLossGrad": softmax_cross_entropy_loss_grad,
@@ -237,6 +286,7 @@ FAST_CPU_KERNELS = {
     "ReluGrad": relu_grad,
     "MaxPoolGrad": max_pool_grad,
     "LayerNormalizationGrad": layer_norm_grad,
+    "GatherGrad": gather_grad,
 }
 
 
@@ -318,9 +368,11 @@ def pool_before_relu(model: onnx.ModelProto) -> int:
     return swapped
 
 
-def use_fast_cpu_kernels(model: onnx.ModelProto, keep_op_types=()) -> list:
+def use_fast_cpu_kernels(model: onnx.ModelProto, keep_op_types=(), built_from: onnx.ModelProto = None) -> list:
     """Replace, in place, every node :data:`FAST_CPU_KERNELS` knows, but those of ``keep_op_types``
-    (which torch's kernels will run); return their names.
+    (which torch's kernels will run); return their names. ``built_from``, the forward graph a
+    training graph's gradient was built from, gives ``gather_grad`` the gathered tensors' shapes
+    (ONNX's inference stops at the training graph's contrib ops); without it GatherGrads stay.
 
     Graphs older than opset 15 (no CastLike) are left as they are.
     """
@@ -329,7 +381,12 @@ def use_fast_cpu_kernels(model: onnx.ModelProto, keep_op_types=()) -> list:
     targets = [node for node in model.graph.node if node.op_type in FAST_CPU_KERNELS and node.op_type not in keep_op_types]
     declared = shapes_in(model.graph.input)  # the weights' shapes among them
     declared.update({initializer.name: list(initializer.dims) for initializer in model.graph.initializer})
-    return replace_nodes(model, FAST_CPU_KERNELS, targets, shapes=declared)
+    initializers = {initializer.name: initializer for initializer in model.graph.initializer}
+    gather_indices = {node.input[1] for node in targets if node.op_type == "GatherGrad" and node.input[1] in initializers}
+    if gather_indices and built_from is not None:
+        declared = {**static_shapes(built_from), **declared}
+    constants = {name: numpy_helper.to_array(initializers[name]) for name in gather_indices}
+    return replace_nodes(model, FAST_CPU_KERNELS, targets, shapes=declared, constants=constants)
 
 
 def use_exact_cpu_kernels(model: onnx.ModelProto) -> list:
