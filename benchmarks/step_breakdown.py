@@ -12,7 +12,7 @@ import statistics
 import time
 
 import torch
-from workloads import WORKLOADS
+from workloads import WORKLOADS, zoo_workloads
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 
@@ -52,12 +52,12 @@ def breakdown(workload, steps):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--workload", default="", help="substring of a workload name (default: all)")
+    parser.add_argument("--workload", default="", help="substring of a workload name (default: all of bench.py's)")
     args = parser.parse_args()
     print(f"torch threads: {torch.get_num_threads()}")
     print("| workload | step ms | graph run ms | optimizer ms (share) | other ms |")
     print("|---|---|---|---|---|")
-    for workload in WORKLOADS:
+    for workload in WORKLOADS + (zoo_workloads() if args.workload else []):
         if args.workload.lower() not in workload.name.lower():
             continue
         step, run, update = breakdown(workload, args.steps)
