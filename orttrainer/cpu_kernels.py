@@ -334,8 +334,40 @@ def exact_quick_gelu_grad(build: NodeBuilder):
     build.op("Mul", [build.op("Mul", [build.node.input[0], sigmoid]), slope], build.node.output[0])
 
 
+_ABOVE_ANY_FLOAT = 1e300  # a float64 beyond every float32, below the largest float64
+
+
+def exact_max_pool(build: NodeBuilder):
+    """MaxPool as torch's max_pool{1,2,3}d: a window holding NaN gives NaN, one of -inf only -inf,
+    and the index is always one inside the window.
+
+    ONNX Runtime's CPU kernel starts each window at the lowest float and keeps only greater values:
+    it skips NaN (NaN and 1 give 1), and a window of values <= -FLT_MAX only (-inf, a NaN-only
+    window) gives -FLT_MAX and an index outside it, where its MaxPoolGrad writes out of bounds and
+    ``max_pool_grad``'s scatter to another element. Here the pool runs on float64 keys in torch's
+    order, every one above the lowest float64: NaN as +inf (above +inf, as torch lets NaN win), ±inf
+    as ±1e300; its index picks the value from x. Of several NaN in a window the first takes the
+    index where torch's takes the last (the value is NaN either way). Row-major indices only.
+    """
+    if build.attribute("storage_order", 0) != 0:
+        return False
+    x = build.node.input[0]
+    wide = build.op("Cast", [x], to=onnx.TensorProto.DOUBLE)
+    bounded = build.op("Clip", [wide, build.const(-_ABOVE_ANY_FLOAT, np.float64), build.const(_ABOVE_ANY_FLOAT, np.float64)])
+    keys = build.op("Where", [build.op("IsNaN", [x]), build.const(np.inf, np.float64), bounded])
+    outputs = list(build.node.output) + [""]
+    indices = outputs[1] or build.fresh_name()
+    attributes = node_attributes(build.node)
+    build.nodes.append(onnx.helper.make_node("MaxPool", [keys], [build.fresh_name(), indices], name=build.fresh_name(),
+                                             **attributes))  # fmt: skip
+    flat = build.const([-1], np.int64)
+    picked = build.op("GatherElements", [build.op("Reshape", [x, flat]), build.op("Reshape", [indices, flat])], axis=0)
+    build.op("Reshape", [picked, build.op("Shape", [indices])], outputs[0])
+    return True
+
+
 EXACT_CPU_KERNELS = {"Sigmoid": exact_sigmoid, "Sqrt": exact_sqrt, "QuickGelu": exact_quick_gelu,
-                     "QuickGeluGrad": exact_quick_gelu_grad}  # fmt: skip
+                     "QuickGeluGrad": exact_quick_gelu_grad, "MaxPool": exact_max_pool}  # fmt: skip
 
 
 def pool_before_relu(model: onnx.ModelProto) -> int:
@@ -389,8 +421,10 @@ def use_fast_cpu_kernels(model: onnx.ModelProto, keep_op_types=(), built_from: o
     return replace_nodes(model, FAST_CPU_KERNELS, targets, shapes=declared, constants=constants)
 
 
-def use_exact_cpu_kernels(model: onnx.ModelProto) -> list:
-    """Replace, in place, every node :data:`EXACT_CPU_KERNELS` knows; return their names."""
+def use_exact_cpu_kernels(model: onnx.ModelProto, keep_op_types=()) -> list:
+    """Replace, in place, every node :data:`EXACT_CPU_KERNELS` knows, but those of ``keep_op_types``
+    (which torch's kernels will run); return their names."""
     targets = [node for node in model.graph.node
-               if node.op_type in EXACT_CPU_KERNELS and node.domain in ("", "ai.onnx", "com.microsoft")]  # fmt: skip
+               if node.op_type in EXACT_CPU_KERNELS and node.op_type not in keep_op_types
+               and node.domain in ("", "ai.onnx", "com.microsoft")]  # fmt: skip
     return replace_nodes(model, EXACT_CPU_KERNELS, targets)

@@ -758,7 +758,7 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     elif on_cpu:
         for graph_model in (train_model, eval_model):
             cpu_kernels.use_fast_cpu_kernels(graph_model, keep_for_torch, model)
-            cpu_kernels.use_exact_cpu_kernels(graph_model)
+            cpu_kernels.use_exact_cpu_kernels(graph_model, keep_for_torch)
     gradient_outputs = _order_outputs(train_model, trainable, graph_trainable, output_names, running_statistics, embeddings)
     return TrainingGraphs(_with_ir_version(train_model), eval_model, gradient_outputs, running_statistics, embeddings)
 

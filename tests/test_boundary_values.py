@@ -883,8 +883,7 @@ def test_tanh_gelu_gradient_kernel():
 @pytest.mark.parametrize("relu_first", [False, True])
 def test_max_pool_gradient(kernel, stride, pads, relu_first):
     """MaxPoolGrad as a scatter (and ReLU -> MaxPool swapped): ties go to the first maximum,
-    overlapping windows add up, -inf windows. NaN is not tested: ONNX Runtime's MaxPool skips
-    NaN unless it comes first in a window, torch's returns it (forward op, not a rewrite)."""
+    overlapping windows add up, -inf windows."""
     x = np.array([[1.0, 1.0, 0.0, -1.0, 2.0], [-np.inf, -np.inf, 0.0, 0.0, 2.0], [3.0, -1e-30, 1e-30, 0.0, -0.0],
                   [5.0, 5.0, 5.0, 5.0, 1e30], [-2.0, -3.0, -np.inf, -1.0, -1.0]], np.float32).reshape(1, 1, 5, 5)  # fmt: skip
     function = lambda x: F.max_pool2d(F.relu(x) if relu_first else x, kernel, stride, pads)  # noqa: E731
@@ -893,6 +892,42 @@ def test_max_pool_gradient(kernel, stride, pads, relu_first):
     model = single_op_model("MaxPool", ["x"], {"x": x}, upstream, attributes, before=["Relu"] if relu_first else [])
     train = check_against_torch(model, function, {"x": x}, ["x"], upstream)
     assert "MaxPoolGrad" not in op_types(train)
+
+
+_FLT_MAX = float(FLOAT32.max)
+# 2x2 windows (kernel 2, stride 2): NaN with finite values; -inf only; inf before NaN; -FLT_MAX among
+# -inf; a tie; -inf, inf and NaN. No window of kernel 3 (stride 1 or 2, padding 1) holds two NaN.
+_NAN_AND_INFINITE_WINDOWS = np.array([[np.nan, 1, -np.inf, -np.inf, np.inf, np.nan], [2, 3, -np.inf, -np.inf, 0, 0],
+                                      [-np.inf, -_FLT_MAX, 5, 5, -np.inf, np.inf],
+                                      [-_FLT_MAX, -np.inf, 5, -1, np.nan, -np.inf]], np.float32).reshape(1, 1, 4, 6)  # fmt: skip
+
+
+@pytest.mark.parametrize("kernel, stride, pads", [(2, 2, 0), (3, 1, 1), (3, 2, 1)])
+@pytest.mark.parametrize("relu_first", [False, True])
+def test_max_pool_at_nan_and_infinite_windows(kernel, stride, pads, relu_first):
+    """cpu_kernels.exact_max_pool: a window holding NaN gives NaN and its index, one of -inf only
+    -inf, -FLT_MAX beats -inf; ONNX Runtime's kernel gave 1 for NaN and 1, and -FLT_MAX with an
+    index outside the window for -inf only."""
+    x = _NAN_AND_INFINITE_WINDOWS
+    function = lambda x: F.max_pool2d(F.relu(x) if relu_first else x, kernel, stride, pads)  # noqa: E731
+    upstream = upstream_like(function(torch.tensor(x)).shape)
+    attributes = {"kernel_shape": [kernel, kernel], "strides": [stride, stride], "pads": [pads] * 4}
+    model = single_op_model("MaxPool", ["x"], {"x": x}, upstream, attributes, before=["Relu"] if relu_first else [])
+    check_against_torch(model, function, {"x": x}, ["x"], upstream)
+
+
+def test_max_pool_window_of_several_nan():
+    """Of several NaN in a window the first takes the gradient, torch's the last: the value is NaN
+    on both sides, and the gradient stays inside the window."""
+    x = np.full((1, 1, 2, 4), np.nan, np.float32)
+    x[0, 0, 1, 3] = 7.0
+    upstream = np.array([[[[2.0, 3.0]]]], np.float32)
+    model = single_op_model("MaxPool", ["x"], {"x": x}, upstream, {"kernel_shape": [2, 2], "strides": [2, 2]})
+    results, _ = run_training_graph(model, {"x": x}, ["x"])
+    assert np.isnan(results["output"]).all()
+    expected = np.zeros_like(x)
+    expected[0, 0, 0, 0], expected[0, 0, 0, 2] = 2.0, 3.0  # each window's first NaN
+    np.testing.assert_array_equal(results["x_grad"], expected)
 
 
 @pytest.mark.parametrize("probabilities", [False, True], ids=["class-indices", "class-probabilities"])
