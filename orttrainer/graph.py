@@ -207,11 +207,15 @@ def drop_zero_dropouts(model: onnx.ModelProto) -> None:
 
 
 def set_inference_mode(model: onnx.ModelProto) -> None:
-    """Dropout off and BatchNormalization on running statistics (the eval graph)."""
+    """Dropout off and BatchNormalization on running statistics (the eval graph). A BatchNormalization
+    whose running statistics are neither graph inputs nor initializers has none (``track_running_stats=False``:
+    placeholders computed in the graph, symbolics.batch_norm): it normalizes by the batch's statistics in
+    eval too, as torch's."""
+    stored = {graph_input.name for graph_input in model.graph.input} | {init.name for init in model.graph.initializer}
     for node in model.graph.node:
         if node.op_type == "Dropout" and len(node.input) > 2:
             node.input[2] = ""
-        elif node.op_type == "BatchNormalization":
+        elif node.op_type == "BatchNormalization" and node.input[3] in stored:
             for attribute in node.attribute:
                 if attribute.name == "training_mode":
                     attribute.i = 0

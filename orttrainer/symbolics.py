@@ -12,7 +12,8 @@ import numpy as np
 import onnx
 import torch
 from torch.onnx import symbolic_helper
-from torch.onnx._internal.torchscript_exporter import _type_utils, registration, symbolic_opset9, symbolic_opset11
+from torch.onnx._internal.torchscript_exporter import (_type_utils, registration, symbolic_opset9, symbolic_opset11,
+                                                        symbolic_opset14)
 from torch.onnx._internal.torchscript_exporter import utils as exporter_utils
 
 from . import rewrites
@@ -537,6 +538,31 @@ def rms_norm(g, x, normalized_shape, weight, eps):
     return normalized if symbolic_helper._is_none(weight) else build.op("Mul", [normalized, weight])
 
 
+def batch_norm(g, x, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled):
+    """torch's batch_norm; without running statistics (``track_running_stats=False``), which torch's
+    symbolic exports only for a static batch size, as a BatchNormalization in training mode on
+    placeholder statistics: it normalizes by the batch's statistics, as torch does in training and
+    in eval (graph.set_inference_mode keeps such a node in training mode)."""
+    torch_symbolic = symbolic_opset14.batch_norm if g.opset >= 14 else symbolic_opset9.batch_norm
+    if not symbolic_helper._is_none(running_mean) and not symbolic_helper._is_none(running_var):
+        return torch_symbolic(g, x, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled)
+    channels = symbolic_helper._get_tensor_dim_size(x, 1)
+    if channels is None and not symbolic_helper._is_none(weight):
+        channels = (symbolic_helper._get_tensor_sizes(weight) or [None])[0]
+    if channels is None:
+        raise ValueError(f"BatchNorm without running statistics in module '{_module_scope(g)}' needs an input whose "
+                         "channel dimension (dim 1) has a known size")  # fmt: skip
+    # values computed from x, not constants: ONNX Runtime writes the new statistics into these inputs, and
+    # would write into a weight (affine=False: a constant of ones) it shared a constant with
+    scalar_type = _type_utils.JitScalarType.from_value(x)
+    values = g.op("Cast", g.op("Size", x), to_i=scalar_type.onnx_type())
+    mean = g.op("Mul", g.op("Constant", value_t=torch.zeros(channels, dtype=scalar_type.dtype())), values)
+    variance = g.op("Add", mean, g.op("Constant", value_t=torch.ones(channels, dtype=scalar_type.dtype())))
+    for statistic in (mean, variance):
+        statistic.setType(x.type().with_sizes([channels]))
+    return torch_symbolic(g, x, weight, bias, mean, variance, training, momentum, eps, cudnn_enabled)
+
+
 @symbolic_helper.parse_args("v", "f", "b")
 def feature_dropout(g, x, p, train):
     """torch's channel dropout (nn.Dropout1d/2d/3d) in training, which the exporter refuses: a
@@ -787,6 +813,7 @@ def index(g, self, indices):
 
 _SYMBOLICS = {
     "index": index,
+    "batch_norm": batch_norm,
     "embedding": embedding,
     "embedding_bag": embedding_bag,
     "rms_norm": rms_norm,

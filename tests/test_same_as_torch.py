@@ -841,3 +841,34 @@ def test_diagonal_of_a_batch_sized_matrix_trains_as_torch_at_two_batch_sizes():
     data = [(torch.randn(size, 6, generator=generator),) for size in (7, 7, 4)]
     run_parity(CrossCorrelation(), data, optim.SGDConfig(lr=0.05), functools.partial(torch.optim.SGD, lr=0.05),
                loss_fn=None, options=cpu_options(), reference_loss=lambda module, batch: module(*batch))  # fmt: skip
+
+
+class BatchStatisticsCNN(nn.Module):
+    """BatchNorms without running statistics (``track_running_stats=False``: torch normalizes by the batch's
+    statistics in training and in eval), one without affine weights, around a max pool."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4, track_running_stats=False), nn.ReLU(),
+                                      nn.MaxPool2d(2), nn.Flatten())  # fmt: skip
+        self.head = nn.Sequential(nn.Linear(4 * 8 * 8, 8), nn.BatchNorm1d(8, affine=False, track_running_stats=False),
+                                  nn.ReLU(), nn.Linear(8, 10))  # fmt: skip
+
+    def forward(self, images):
+        return self.head(self.features(images))
+
+
+@pytest.mark.parametrize("kernels", ["torch", "onnxruntime"])
+def test_batchnorm_without_running_statistics_trains_and_evaluates_as_torch_at_two_batch_sizes(kernels):
+    """torch's exporter refused it ("batch_size and channel_size must be non-None") for a dynamic batch. SGD:
+    the gradient of the convolution's bias before a batch-statistics BatchNorm is 0 up to rounding, which
+    Adam's first step would scale to the learning rate."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    data = [cnn_batch(size, generator) for size in (8, 8, 5)]
+    options = cpu_options({"utils": {"convolution_kernels": kernels}})
+    trainer, reference = run_parity(BatchStatisticsCNN(), data, optim.SGDConfig(lr=0.1), functools.partial(torch.optim.SGD, lr=0.1),
+                                    loss_fn=F.cross_entropy, options=options)  # fmt: skip
+    reference.eval()
+    for images, labels in (data[0], data[2]):
+        torch.testing.assert_close(trainer.eval_step(images, labels)[1], reference(images), atol=1e-5, rtol=1e-5)
