@@ -149,6 +149,7 @@ class Runtime:
         if not with_loss:
             loss = self.model_desc.loss_output.name
             graph.keep_outputs(model, [entry.name for entry in self.model_desc.outputs if entry.name != loss])
+        graph.spell_batch_statistics_norms(model)
         return model
 
 

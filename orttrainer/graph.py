@@ -223,6 +223,18 @@ def set_inference_mode(model: onnx.ModelProto) -> None:
     _remove_unused(model.graph)
 
 
+def spell_batch_statistics_norms(model: onnx.ModelProto) -> list:
+    """Replace, in place, the BatchNormalizations ``set_inference_mode`` left on the batch's statistics by
+    their formula (``rewrites.batch_statistics_batch_norm``); return their names. A plain ONNX Runtime
+    build has no training-mode BatchNormalization kernel (the trainer's eval session, on
+    onnxruntime-training, keeps the node)."""
+    targets = [node for node in model.graph.node if node.op_type == "BatchNormalization"]
+    if not targets:
+        return []
+    table = {"BatchNormalization": rewrites.batch_statistics_batch_norm}
+    return rewrites.replace_nodes(model, table, targets, shapes=rewrites.static_shapes(model))
+
+
 def keep_outputs(model: onnx.ModelProto, names) -> None:
     """Keep only the graph outputs ``names``, and the nodes, initializers and inputs they need."""
     kept = [output for output in model.graph.output if output.name in names]

@@ -407,6 +407,23 @@ def inference_batch_norm(build):
     return True
 
 
+def batch_statistics_batch_norm(build):
+    """A training-mode BatchNormalization as its value, (x - mean) / sqrt(var + epsilon) * scale + bias
+    with the batch's mean and biased variance over every axis but the channels': the inference graph
+    of a BatchNorm without running statistics, which a plain (not training) ONNX Runtime build runs."""
+    if not _batch_norm_trains(build.node, build.opset):
+        return False
+    x, scale, bias = build.node.input[:3]
+    rank = len(build.shape(x))
+    axes = [0] + list(range(2, rank))
+    centered = build.op("Sub", [x, build.reduce("ReduceMean", x, axes, 1)])
+    variance = build.reduce("ReduceMean", build.op("Mul", [centered, centered]), axes, 1)
+    std = build.op("Sqrt", [build.op("Add", [variance, build.const(build.attribute("epsilon", 1e-5))])])
+    channel_axes = list(range(1, rank - 1))
+    scale, bias = (build.unsqueeze(tensor, channel_axes) if channel_axes else tensor for tensor in (scale, bias))
+    build.op("Add", [build.op("Mul", [build.op("Div", [centered, std]), scale]), bias], _output(build))
+
+
 def instance_normalization(build):
     """(x - mean) / sqrt(var + eps) * scale + bias, statistics over the spatial axes."""
     x, scale, bias = build.node.input

@@ -6,6 +6,8 @@ import functools
 import math
 import warnings
 
+import onnx
+import onnxruntime
 import pytest
 import torch
 import torch.nn as nn
@@ -859,7 +861,7 @@ class BatchStatisticsCNN(nn.Module):
 
 
 @pytest.mark.parametrize("kernels", ["torch", "onnxruntime"])
-def test_batchnorm_without_running_statistics_trains_and_evaluates_as_torch_at_two_batch_sizes(kernels):
+def test_batchnorm_without_running_statistics_trains_and_evaluates_as_torch_at_two_batch_sizes(tmp_path, kernels):
     """torch's exporter refused it ("batch_size and channel_size must be non-None") for a dynamic batch. SGD:
     the gradient of the convolution's bias before a batch-statistics BatchNorm is 0 up to rounding, which
     Adam's first step would scale to the learning rate."""
@@ -872,3 +874,9 @@ def test_batchnorm_without_running_statistics_trains_and_evaluates_as_torch_at_t
     reference.eval()
     for images, labels in (data[0], data[2]):
         torch.testing.assert_close(trainer.eval_step(images, labels)[1], reference(images), atol=1e-5, rtol=1e-5)
+    path = tmp_path / "model.onnx"
+    trainer.save_as_onnx(str(path), with_loss=False)  # spelled out: a plain ONNX Runtime has no training-mode kernel
+    assert "BatchNormalization" not in {node.op_type for node in onnx.load(str(path)).graph.node}
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (output,) = session.run(None, {session.get_inputs()[0].name: data[2][0].numpy()})
+    torch.testing.assert_close(torch.from_numpy(output), reference(data[2][0]), atol=1e-5, rtol=1e-5)
