@@ -498,8 +498,9 @@ def _open_sessions(graphs, device, providers, options, one_thread: bool, convolu
             return torch_convolutions.SplitSession(model, open_session, convolutions)
         if convolutions:  # what the build left for torch's kernels, which will not run it
             cpu_kernels.use_fast_cpu_kernels(model)
-            applied = set(cpu_kernels.EXACT_CPU_KERNELS) - set(torch_convolutions.STEPS_BETWEEN_CONVOLUTIONS)  # by the build
-            cpu_kernels.use_exact_cpu_kernels(model, keep_op_types=applied)
+            # the build replaced every exact kernel but those it left for torch (MaxPool): not twice
+            replaced = set(cpu_kernels.EXACT_CPU_KERNELS) - set(torch_convolutions.STEPS_BETWEEN_CONVOLUTIONS)
+            cpu_kernels.use_exact_cpu_kernels(model, keep_op_types=replaced)
             defined_gradients.spell_forwards(model)
         if device.type == "cpu":
             graph.refuse_one_direction_kernels(model)
