@@ -563,6 +563,27 @@ def batch_norm(g, x, weight, bias, running_mean, running_var, training, momentum
     return torch_symbolic(g, x, weight, bias, mean, variance, training, momentum, eps, cudnn_enabled)
 
 
+def scaled_dot_product_attention(g, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False):  # fmt: skip
+    """torch's exporter's attention, with torch's safe softmax for query rows whose keys are all masked
+    (left padding, a sliding window over padding): torch's output there is 0 and passes no gradient. The
+    exporter's Softmax gave NaN that a Where zeroed (bool masks only), but its gradient kept the NaN, which
+    reached every weight. Here such rows get a mask of 0 (a finite softmax) and an output of 0 by a Where,
+    so their gradient is 0, as torch's."""
+    if g.opset < 14:
+        return symbolic_helper._unimplemented("scaled_dot_product_attention", "below opset 14 (no Trilu)", query)
+    torch_symbolic = symbolic_opset14.scaled_dot_product_attention
+    if symbolic_helper._is_none(attn_mask):
+        return torch_symbolic(g, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if _type_utils.JitScalarType.from_value(attn_mask) == _type_utils.JitScalarType.BOOL:  # as torch's symbolic turns it
+        attn_mask = g.op("Where", attn_mask, _constant(g, [0.0]), _constant(g, [-float("inf")]))
+    build, dtype = _ExportGraph(g), _numpy_dtype(query)
+    no_key = g.op("Equal", build.reduce("ReduceMax", attn_mask, [-1], 1), build.const(-np.inf, _numpy_dtype(attn_mask)))
+    safe_mask = g.op("Where", no_key, build.const(0.0, _numpy_dtype(attn_mask)), attn_mask)  # [..., queries, 1] above
+    attended = torch_symbolic(g, query, key, value, safe_mask, dropout_p, is_causal, scale, enable_gqa)
+    return g.op("Where", no_key, build.const(0.0, dtype), attended)
+
+
 @symbolic_helper.parse_args("v", "f", "b")
 def feature_dropout(g, x, p, train):
     """torch's channel dropout (nn.Dropout1d/2d/3d) in training, which the exporter refuses: a
@@ -814,6 +835,7 @@ def index(g, self, indices):
 _SYMBOLICS = {
     "index": index,
     "batch_norm": batch_norm,
+    "scaled_dot_product_attention": scaled_dot_product_attention,
     "embedding": embedding,
     "embedding_bag": embedding_bag,
     "rms_norm": rms_norm,

@@ -880,3 +880,43 @@ def test_batchnorm_without_running_statistics_trains_and_evaluates_as_torch_at_t
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     (output,) = session.run(None, {session.get_inputs()[0].name: data[2][0].numpy()})
     torch.testing.assert_close(torch.from_numpy(output), reference(data[2][0]), atol=1e-5, rtol=1e-5)
+
+
+class MaskedAttention(nn.Module):
+    """One attention head under a mask that comes with the batch: bool, or float (-inf where masked) around a
+    learned bias."""
+
+    def __init__(self, float_mask):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.bias = nn.Parameter(torch.randn(4, 4) * 0.1) if float_mask else None
+
+    def forward(self, x, keep):
+        q, k, v = self.qkv(x).unsqueeze(1).chunk(3, dim=-1)
+        mask = keep if self.bias is None else torch.where(keep, self.bias, -math.inf)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).squeeze(1)
+
+
+@pytest.mark.parametrize("float_mask", [False, True], ids=["bool-mask", "float-mask"])
+def test_attention_rows_with_every_key_masked_train_as_torch(float_mask):
+    """A query that sees no key (left padding, a sliding window over padding) gets 0 and no gradient, as in torch;
+    the exporter's softmax gave NaN gradients. The first batch of the shape has no such row, so its graph's
+    first-step check passed: the later batches trained every weight into NaN without a word."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    causal = torch.ones(4, 4, dtype=torch.bool).tril().expand(3, 1, 4, 4)
+    masks = [causal.clone() for _ in range(3)]
+    masks[1][1, :, 2:, :] = False  # two queries of sequence 1 see nothing
+    masks[2][:, :, 0, :] = False  # the first query of every sequence sees nothing
+    data = [(torch.randn(3, 4, 8, generator=generator), mask, torch.randn(3, 4, 8, generator=generator)) for mask in masks]
+
+    def reference_loss(module, batch):
+        return F.mse_loss(module(*batch[:2]), batch[2])
+
+    trainer, reference = run_parity(MaskedAttention(float_mask), data, optim.SGDConfig(lr=0.5),
+                                    functools.partial(torch.optim.SGD, lr=0.5), loss_fn=F.mse_loss,
+                                    reference_loss=reference_loss)  # fmt: skip
+    x, keep, target = data[2]
+    output = trainer.eval_step(x, keep, target)[1]
+    torch.testing.assert_close(output, reference.eval()(x, keep), atol=1e-6, rtol=1e-5)
+    assert torch.equal(output[:, 0], torch.zeros_like(output[:, 0]))

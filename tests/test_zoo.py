@@ -139,3 +139,14 @@ def test_hugging_face_model(tmp_path, name):
     torch.manual_seed(0)
     batches, eval_batch = _batches(make_batch, HUGGING_FACE_SHAPES[shape_kind])
     _check_hugging_face(tmp_path, make(), batches, eval_batch)
+
+
+def test_causal_lm_trains_as_torch_on_left_padded_batches(tmp_path):
+    """Left padding leaves the padding's queries no key under the causal mask: torch's attention gives
+    them 0 and no gradient, where the exporter's softmax gave every weight a NaN gradient
+    (symbolics.scaled_dot_product_attention)."""
+    pytest.importorskip("transformers", reason="the Hugging Face zoo needs transformers (the test extra)")
+    torch.manual_seed(0)
+    batches, eval_batch = _batches(zoo.left_padded_causal_lm_batch, HUGGING_FACE_SHAPES["tokens"])
+    assert all((batch["attention_mask"][:, 0] == 0).any() for batch in batches), "a batch without left padding"
+    _check_hugging_face(tmp_path, zoo.llama_lm(), batches, eval_batch)

@@ -217,6 +217,12 @@ def causal_lm_batch(batch, longest, pad=0, generator=None):
     return {**inputs, "labels": inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)}
 
 
+def left_padded_causal_lm_batch(batch, longest, pad=0, generator=None):
+    """causal_lm_batch padded on the left, as for generation: under the causal mask the padding's
+    queries see no key at all."""
+    return {name: tensor.flip(-1) for name, tensor in causal_lm_batch(batch, longest, pad, generator).items()}
+
+
 def classification_batch(batch, longest, pad=0, generator=None, classes=3):
     inputs = _text_batch(batch, longest, pad, generator)
     return {**inputs, "labels": torch.randint(0, classes, (batch,), generator=generator)}
