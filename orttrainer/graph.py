@@ -120,10 +120,11 @@ def module_path(node_name: str) -> str:
     levels = [part for part in node_name.split("/") if part][:-1]
     if levels and levels[0] == "model":  # the attribute under which export.py wraps the user's module
         levels = levels[1:]
+    numbered_root = bool(levels) and levels[0].startswith("model.")  # children of a Sequential root: model.0, ...
     path = ""
     for level in levels:
         path = level if not path or level.startswith(path + ".") else f"{path}.{level}"
-    return path[len("model.") :] if path.startswith("model.") else path
+    return path[len("model.") :] if numbered_root else path
 
 
 # Ops that draw random numbers (Dropout aside, which the trainer turns off for the first-step check).

@@ -205,6 +205,9 @@ def test_weights_that_are_not_float32_are_refused_with_names(dtype):
         ("/model/layer/self_attn/Softmax", "layer.self_attn"),
         ("/model/features/features.1/Conv", "features.1"),
         ("/model/model.0/Conv", "0"),
+        ("/model/model.0/model.0.1/Conv", "0.1"),
+        ("/model/model/layers.0/self_attn/Softmax", "model.layers.0.self_attn"),  # an attribute named model (Llama)
+        ("/model/model/model.2/Gemm", "model.2"),
         ("/model/block/rnn/RNN", "block.rnn"),
         ("/model/Einsum", ""),
         ("MatMul_0", ""),
