@@ -126,6 +126,11 @@ def device_providers(device: torch.device, mem_limit: int = 0, provider_options=
     return [(name, options), ("CPUExecutionProvider", {})]
 
 
+# ONNX Runtime graph transformers no session of the trainer runs. MatMulScaleFusion: with it, the gradient of
+# Wav2Vec2's attention came out wrong (about half the out_proj weight gradient's norm) whenever the
+# gradients were written into the trainer's own buffers, and right when ONNX Runtime allocated them
+# (docs/stack_facts.md); the scalar multiplications it would fold cost nothing measurable (NOTES.md §37).
+_DISABLED_OPTIMIZERS = ["MatMulScaleFusion"]
 _SPINNING_ENTRIES = ("session.intra_op.allow_spinning", "session.inter_op.allow_spinning")
 
 
@@ -273,7 +278,8 @@ class TorchBoundSession:
         names = [name for name, _ in providers]
         provider_options = [opts for _, opts in providers]
         self.session = onnxruntime.InferenceSession(
-            model.SerializeToString(), sess_options=options, providers=names, provider_options=provider_options
+            model.SerializeToString(), sess_options=options, providers=names, provider_options=provider_options,
+            disabled_optimizers=_DISABLED_OPTIMIZERS,
         )
         check_provider_in_use(providers, self.session.get_providers(), device)
         self._run_options = run_options()

@@ -54,7 +54,7 @@ class FakeInferenceSession:
 
     created = []
 
-    def __init__(self, model_bytes, sess_options, providers, provider_options):
+    def __init__(self, model_bytes, sess_options, providers, provider_options, disabled_optimizers=()):
         self.providers, self.provider_options = providers, provider_options
         FakeInferenceSession.created.append(self)
 

@@ -325,9 +325,29 @@ def vit_classifier():
     return transformers.ViTForImageClassification(config)
 
 
+def wav2vec2_audio_classifier():
+    """Wav2Vec2 on raw audio: a strided Conv1d feature extractor with GroupNorm, a grouped positional
+    convolution under weight norm, an attention encoder, mean pooling into a classifier. Its attention's
+    gradient came out wrong under ONNX Runtime's MatMulScaleFusion (session._DISABLED_OPTIMIZERS)."""
+    import transformers
+
+    config = transformers.Wav2Vec2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37, conv_dim=(16, 16),
+        conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2,
+        feat_extract_norm="group", hidden_dropout=0.0, activation_dropout=0.0, attention_dropout=0.0, feat_proj_dropout=0.0,
+        final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0, apply_spec_augment=False, classifier_proj_size=16, num_labels=3,
+    )  # fmt: skip
+    return transformers.Wav2Vec2ForSequenceClassification(config)
+
+
+def audio_batch(batch, samples=400, generator=None, classes=3):
+    return {"input_values": torch.randn(batch, samples, generator=generator),
+            "labels": torch.randint(0, classes, (batch,), generator=generator)}  # fmt: skip
+
+
 # ------------------------------------------------------------------ the zoo, listed
 # name: (model factory, batch factory, what the batch factory's shape is). A batch factory takes
-# (batch,) for "images" and (batch, padded length) for "tokens", then generator=. The torch
+# (batch,) for "images" and "audio" and (batch, padded length) for "tokens", then generator=. The torch
 # models return class scores for F.cross_entropy; the Hugging Face ones take the batch as
 # keywords, labels included, and return a ModelOutput with their own loss.
 TORCH_MODELS = {
@@ -348,4 +368,5 @@ HUGGING_FACE_MODELS = {
     "t5": (t5_generator, seq2seq_batch, "tokens"),
     "bart": (bart_generator, functools.partial(seq2seq_batch, pad=1), "tokens"),
     "vit-image-classifier": (vit_classifier, vit_batch, "images"),
+    "wav2vec2-audio-classifier": (wav2vec2_audio_classifier, audio_batch, "audio"),
 }
