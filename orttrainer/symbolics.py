@@ -419,15 +419,26 @@ def bilinear(g, x1, x2, weight, bias):
     return result if symbolic_helper._is_none(bias) else g.op("Add", result, bias)
 
 
-@symbolic_helper.parse_args("v", "v", "v", "i", "i", "f")
+_TARGET_IGNORED_AT_RUN_TIME = -(2**62)  # no class index: stands for an ignore_index known only at run time
+
+
+@symbolic_helper.parse_args("v", "v", "v", "i", "v", "f")
 def cross_entropy_loss(g, scores, target, weight, reduction, ignore_index, label_smoothing):
     """torch's cross_entropy. Class indices: SoftmaxCrossEntropyLoss, as torch's exporter writes it;
     with ``label_smoothing`` e, torch's formula (cross_entropy_loss_label_smoothing in ATen):
     (1 - e) * nll + e / classes * smooth, smooth = -sum over classes of log_softmax (times the class
     weights), 0 at ignored targets, reduced as torch reduces it (a weighted mean divides by the
     weights of the targets kept). Class probabilities (which the exporter passed to
-    SoftmaxCrossEntropyLoss as labels): ``_cross_entropy_of_probabilities``."""
+    SoftmaxCrossEntropyLoss as labels): ``_cross_entropy_of_probabilities``. An ignore_index computed from
+    a size (Hugging Face's question answering: ``start_logits.size(1)``) is a tensor in the trace: the
+    targets equal to it become ``_TARGET_IGNORED_AT_RUN_TIME``, the constant the loss ignores."""
     reduction_name = ("none", "mean", "sum")[reduction]
+    ignore_index = symbolic_helper._maybe_get_const(ignore_index, "i")
+    if not isinstance(ignore_index, int):
+        build = _ExportGraph(g)
+        ignored = g.op("Equal", target, g.op("Cast", ignore_index, to_i=_type_utils.JitScalarType.from_value(target).onnx_type()))
+        target = g.op("Where", ignored, build.const(_TARGET_IGNORED_AT_RUN_TIME, _numpy_dtype(target)), target)
+        ignore_index = _TARGET_IGNORED_AT_RUN_TIME
     weighted = not symbolic_helper._is_none(weight)
     sizes, rank = symbolic_helper._get_tensor_sizes(scores), symbolic_helper._get_tensor_rank(scores)
     probabilities = target.type().scalarType() in ("Float", "Double", "Half", "BFloat16")

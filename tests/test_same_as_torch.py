@@ -920,3 +920,27 @@ def test_attention_rows_with_every_key_masked_train_as_torch(float_mask):
     output = trainer.eval_step(x, keep, target)[1]
     torch.testing.assert_close(output, reference.eval()(x, keep), atol=1e-6, rtol=1e-5)
     assert torch.equal(output[:, 0], torch.zeros_like(output[:, 0]))
+
+
+class AnswerSpan(nn.Module):
+    """Hugging Face's question-answering loss: positions past the sequence are clamped to its length, which
+    is also the cross_entropy's ignore_index (``start_logits.size(1)``: a size, a tensor in the trace)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scores = nn.Linear(8, 1)
+
+    def forward(self, x, positions):
+        scores = self.scores(x).squeeze(-1)
+        ignored = scores.size(1)
+        return F.cross_entropy(scores, positions.clamp(0, ignored), ignore_index=ignored)
+
+
+def test_cross_entropy_whose_ignore_index_is_a_size_trains_as_torch_at_two_lengths():
+    """It failed the export ("Expected node type 'onnx::Constant' for argument 'ignore_index'")."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(3, length, 8, generator=generator), torch.tensor(positions))
+            for length, positions in ((5, [1, 7, 4]), (9, [9, 0, 12]), (5, [2, 5, 3]))]  # fmt: skip
+    run_parity(AnswerSpan(), data, optim.SGDConfig(lr=0.5), functools.partial(torch.optim.SGD, lr=0.5), loss_fn=None,
+               reference_loss=lambda module, batch: module(*batch))  # fmt: skip
