@@ -639,6 +639,7 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
     exported = onnx.load_from_string(buffer.getvalue())
     _strip_wrapper_prefix(exported)
     lookups = resolve_markers(exported)
+    rewrites.inline_decided_ifs(exported)
     return exported, lookups, heard.frozen_values
 
 

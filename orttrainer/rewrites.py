@@ -1328,6 +1328,64 @@ def copy_with_inputs_for(model: onnx.ModelProto, names) -> onnx.ModelProto:
     return copied
 
 
+def _constant_node_value(node) -> np.ndarray:
+    """The value of a Constant node (None for anything else)."""
+    if node is None or node.op_type != "Constant" or node_attribute(node, "value") is None:
+        return None
+    return numpy_helper.to_array(node_attribute(node, "value"))
+
+
+def _size_condition(node: onnx.NodeProto, producers: dict, shapes: dict):
+    """The value of an If's condition ``size(x, dim) == k`` (what the exporter writes for squeeze() of a
+    dimension it could not size) when ONNX's inference knows that size; None for any other condition."""
+    condition = producers.get(node.input[0])
+    if condition is None or condition.op_type != "Equal":
+        return None
+    size, expected = producers.get(condition.input[0]), _constant_node_value(producers.get(condition.input[1]))
+    if size is None or size.op_type != "Gather" or expected is None or expected.size != 1:
+        return None
+    shape, index = producers.get(size.input[0]), _constant_node_value(producers.get(size.input[1]))
+    if shape is None or shape.op_type != "Shape" or shape.attribute or index is None or index.size != 1:
+        return None
+    dims = shapes.get(shape.input[0])
+    dim = dims[int(index.reshape(-1)[0])] if dims and -len(dims) <= int(index.reshape(-1)[0]) < len(dims) else None
+    return None if not isinstance(dim, int) else dim == int(expected.reshape(-1)[0])
+
+
+def inline_decided_ifs(model: onnx.ModelProto) -> list:
+    """Replace, in place, each If whose condition ONNX's shape inference decides (``_size_condition``: the
+    exporter's squeeze() of a dimension it could not size, e.g. after a split) by the nodes of the branch
+    it always takes; return the If nodes' names. The gradient builder takes no control flow; the values
+    are the If's own."""
+    ifs = [node for node in model.graph.node if node.op_type == "If"]
+    if not ifs:
+        return []
+    producers = {name: node for node in model.graph.node for name in node.output}
+    shapes = symbolic_shapes(model)
+    taken = {}
+    for node in ifs:
+        decision = _size_condition(node, producers, shapes)
+        if decision is not None:
+            taken[id(node)] = node_attribute(node, "then_branch" if decision else "else_branch")
+    nodes = []
+    for node in model.graph.node:
+        branch = taken.get(id(node))
+        if branch is None:
+            nodes.append(node)
+            continue
+        results = {output.name: mine for output, mine in zip(branch.output, node.output)}
+        for inner in branch.node:
+            copied = onnx.NodeProto()
+            copied.CopyFrom(inner)
+            copied.name = f"{node.name}/{inner.name or inner.op_type}"
+            copied.output[:] = [results.get(name, name) for name in inner.output]
+            copied.input[:] = [results.get(name, name) for name in inner.input]
+            nodes.append(copied)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return [node.name for node in ifs if id(node) in taken]
+
+
 def structure_for_inference(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` as shape inference needs it: the weights' shapes without their data (``copy_with_inputs_for``)."""
     large = [init.name for init in model.graph.initializer if np.prod(init.dims) > _INFERENCE_READS_VALUES_UP_TO]

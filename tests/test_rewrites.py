@@ -8,6 +8,7 @@ import copy
 
 import numpy as np
 import onnx
+import onnxruntime
 import pytest
 import torch
 import torch.nn as nn
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper, numpy_helper
 from parity import cpu_options, run_parity
 
-from orttrainer import GradientBuildError, ORTTrainer, optim
+from orttrainer import GradientBuildError, ORTTrainer, optim, rewrites
 
 
 class Around(nn.Module):
@@ -390,3 +391,28 @@ def test_exporting_registers_orttrainers_symbolics_for_one_export_only():
     assert _export_ops(maximum, x) == ["ReduceMax"]
     with pytest.raises(UnsupportedOperatorError):  # not another error from an entry orttrainer left behind
         _export_ops(huber, x)
+
+
+def _squeeze_if_model(shape, dim):
+    """x -> the exporter's squeeze(dim) of a dimension it could not size: If(size(x, dim) == 1, Squeeze, Identity)."""
+    constant = lambda name, value: helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(value, np.int64)))  # noqa: E731
+    then_branch = helper.make_graph([constant("axes", [dim]), helper.make_node("Squeeze", ["x", "axes"], ["squeezed"])], "then", [],
+                                    [helper.make_empty_tensor_value_info("squeezed")])  # fmt: skip
+    else_branch = helper.make_graph([helper.make_node("Identity", ["x"], ["kept"])], "else", [], [helper.make_empty_tensor_value_info("kept")])
+    nodes = [helper.make_node("Shape", ["x"], ["shape"]), constant("dim", [dim]), helper.make_node("Gather", ["shape", "dim"], ["size"]),
+             constant("one", [1]), helper.make_node("Equal", ["size", "one"], ["is_one"]),
+             helper.make_node("If", ["is_one"], ["y"], name="If", then_branch=then_branch, else_branch=else_branch)]  # fmt: skip
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, shape)],
+                              [helper.make_empty_tensor_value_info("y")])  # fmt: skip
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize("shape, dim, expected", [([2, 1, 3], 1, "Squeeze"), ([2, 1, 3], 2, "Identity"), ([2, "n", 3], 1, "If")])
+def test_an_if_on_a_size_shape_inference_knows_becomes_the_branch_taken(shape, dim, expected):
+    model = _squeeze_if_model(shape, dim)
+    inlined = rewrites.inline_decided_ifs(model)
+    assert inlined == ([] if expected == "If" else ["If"])
+    assert expected in {node.op_type for node in model.graph.node} and ("If" in {node.op_type for node in model.graph.node}) == (expected == "If")
+    x = np.arange(6, dtype=np.float32).reshape(2, 1, 3)
+    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(session.run(None, {"x": x})[0], x.squeeze(1) if dim == 1 else x)

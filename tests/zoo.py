@@ -223,6 +223,14 @@ def left_padded_causal_lm_batch(batch, longest, pad=0, generator=None):
     return {name: tensor.flip(-1) for name, tensor in causal_lm_batch(batch, longest, pad, generator).items()}
 
 
+def question_answering_batch(batch, longest, pad=0, generator=None):
+    """Tokens, attention mask, and answer start/end positions, some past the sequence (the model clamps
+    them to its length and ignores them: its loss's ignore_index is that length, a size)."""
+    inputs = _text_batch(batch, longest, pad, generator)
+    starts = torch.randint(0, longest + 3, (batch,), generator=generator)
+    return {**inputs, "start_positions": starts, "end_positions": starts + torch.randint(0, 3, (batch,), generator=generator)}
+
+
 def classification_batch(batch, longest, pad=0, generator=None, classes=3):
     inputs = _text_batch(batch, longest, pad, generator)
     return {**inputs, "labels": torch.randint(0, classes, (batch,), generator=generator)}
@@ -316,6 +324,14 @@ def bart_generator():
     return transformers.BartForConditionalGeneration(config)
 
 
+def bert_question_answering():
+    """Start and end scores from one Linear, split(1, dim=-1) and squeeze(-1): the exporter writes an If for
+    the squeeze of a dimension it cannot size (rewrites.inline_decided_ifs)."""
+    import transformers
+
+    return transformers.BertForQuestionAnswering(transformers.BertConfig(**_ENCODER, max_position_embeddings=64, pad_token_id=0))
+
+
 def vit_classifier():
     import transformers
 
@@ -369,4 +385,5 @@ HUGGING_FACE_MODELS = {
     "bart": (bart_generator, functools.partial(seq2seq_batch, pad=1), "tokens"),
     "vit-image-classifier": (vit_classifier, vit_batch, "images"),
     "wav2vec2-audio-classifier": (wav2vec2_audio_classifier, audio_batch, "audio"),
+    "bert-question-answering": (bert_question_answering, question_answering_batch, "tokens"),
 }
