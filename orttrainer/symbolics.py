@@ -595,6 +595,37 @@ def scaled_dot_product_attention(g, query, key, value, attn_mask=None, dropout_p
     return g.op("Where", no_key, build.const(0.0, dtype), attended)
 
 
+_INTEGRAL_TYPES = {_type_utils.JitScalarType.BOOL, _type_utils.JitScalarType.UINT8, _type_utils.JitScalarType.INT8,
+                   _type_utils.JitScalarType.INT16, _type_utils.JitScalarType.INT}  # fmt: skip
+
+
+@symbolic_helper.parse_args("v", "i", "v")
+def cumsum(g, x, dim, dtype=None):
+    """torch's cumsum: in ``dtype`` when one is given, else in x's type, bool and integers as int64 (torch's
+    promotion). torch's symbolic dropped a dtype given as a constant and wrote a CumSum of bool, which ONNX
+    has not (transformers' packed-sequence check sums a comparison)."""
+    if not symbolic_helper._is_none(dtype):
+        x = g.op("Cast", x, to_i=_type_utils.JitScalarType(symbolic_helper._get_const(dtype, "i", "dtype")).onnx_type())
+    elif _type_utils.JitScalarType.from_value(x) in _INTEGRAL_TYPES:
+        x = g.op("Cast", x, to_i=onnx.TensorProto.INT64)
+    return g.op("CumSum", x, _ExportGraph(g).const(dim, np.int64))
+
+
+@symbolic_helper.parse_args("v", "i", "i", "v", "v")
+def diff(g, x, n, dim, prepend, append):
+    """torch.diff, which the exporter refuses (transformers' packed-sequence check runs it on position ids):
+    ``prepend`` and ``append`` concatenated along ``dim``, then ``n`` times x[1:] - x[:-1] there."""
+    build = _ExportGraph(g)
+    parts = [part for part in (prepend, x, append) if not symbolic_helper._is_none(part)]
+    x = g.op("Concat", *parts, axis_i=dim) if len(parts) > 1 else x
+    axes = build.const([dim], np.int64)
+    for _ in range(n):
+        later = g.op("Slice", x, build.const([1], np.int64), build.const([np.iinfo(np.int64).max], np.int64), axes)
+        earlier = g.op("Slice", x, build.const([0], np.int64), build.const([-1], np.int64), axes)
+        x = g.op("Sub", later, earlier)
+    return x
+
+
 @symbolic_helper.parse_args("v", "f", "b")
 def feature_dropout(g, x, p, train):
     """torch's channel dropout (nn.Dropout1d/2d/3d) in training, which the exporter refuses: a
@@ -847,6 +878,8 @@ _SYMBOLICS = {
     "index": index,
     "batch_norm": batch_norm,
     "scaled_dot_product_attention": scaled_dot_product_attention,
+    "diff": diff,
+    "cumsum": cumsum,
     "embedding": embedding,
     "embedding_bag": embedding_bag,
     "rms_norm": rms_norm,

@@ -956,3 +956,27 @@ def test_cross_entropy_with_label_smoothing_at_edge_values(reduction, weighted, 
     # a gradient is a difference of terms up to the largest weight: float32 rounding of those terms (torch's
     # own float32 result is 56 float32 spacings from float64's at x = -3.0000002), not of the result
     check_against_torch(model, function, values, ["x"], upstream, floor=1e-7)
+
+
+@pytest.mark.parametrize("n, dim, ends", [(1, 1, False), (2, 0, False), (1, 1, True)])
+def test_diff(n, dim, ends):
+    """torch.diff, which the exporter refused (symbolics.diff): n differences along dim, prepend and append
+    concatenated first; inf - inf gives NaN where torch's does."""
+    x = _with_specials((4, 5))
+    values = {"x": x, "before": np.full((4, 1), -3.0, np.float32), "after": np.full((4, 2), np.inf, np.float32)}
+    function = lambda x, before, after: torch.diff(x, n, dim, *((before, after) if ends else ()))  # noqa: E731
+    upstream = upstream_like(function(**{name: torch.tensor(value) for name, value in values.items()}).shape)
+    check_against_torch(exported_model(function, values, upstream, ["x"]), function, values, ["x"], upstream)
+
+
+def test_cumsum_in_the_dtype_asked_for_and_of_bools_as_int64():
+    """torch's symbolic dropped a constant dtype (a float32 sum where torch sums in float64: 1e8 + 1 - 1e8
+    is 0 in float32) and wrote a CumSum of bool, which ONNX has not (symbolics.cumsum)."""
+    x = np.array([[1e8, 1.0, -1e8, 0.5], [3.0, -0.0, np.inf, 1.0]], np.float32)
+
+    def function(x):
+        counts = (x > 0.75).cumsum(1)  # int64 in torch
+        return x.cumsum(1, dtype=torch.float64).float() + counts.float()
+
+    values, upstream = {"x": x}, upstream_like(x.shape)
+    check_against_torch(exported_model(function, values, upstream, ["x"]), function, values, ["x"], upstream)

@@ -356,6 +356,28 @@ def wav2vec2_audio_classifier():
     return transformers.Wav2Vec2ForSequenceClassification(config)
 
 
+def whisper_speech_to_text():
+    """Whisper: Conv1d over log-mel features, an encoder-decoder transformer; given labels only, it shifts them
+    into decoder inputs, and transformers' packed-sequence check runs torch.diff and a cumsum of bools."""
+    import transformers
+
+    config = transformers.WhisperConfig(
+        vocab_size=VOCAB, num_mel_bins=8, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, d_model=32, encoder_ffn_dim=37, decoder_ffn_dim=37, max_source_positions=16,
+        max_target_positions=32, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, use_cache=False,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1, begin_suppress_tokens=None,
+        suppress_tokens=None,
+    )  # fmt: skip
+    return transformers.WhisperForConditionalGeneration(config)
+
+
+def speech_batch(batch, generator=None):
+    """Log-mel features (8 bins, 32 frames) and transcripts of 3 + batch tokens, the last of one ignored."""
+    labels = torch.randint(3, VOCAB, (batch, 3 + batch), generator=generator)
+    labels[0, -1] = -100
+    return {"input_features": torch.randn(batch, 8, 32, generator=generator), "labels": labels}
+
+
 def audio_batch(batch, samples=400, generator=None, classes=3):
     return {"input_values": torch.randn(batch, samples, generator=generator),
             "labels": torch.randint(0, classes, (batch,), generator=generator)}  # fmt: skip
@@ -386,4 +408,5 @@ HUGGING_FACE_MODELS = {
     "vit-image-classifier": (vit_classifier, vit_batch, "images"),
     "wav2vec2-audio-classifier": (wav2vec2_audio_classifier, audio_batch, "audio"),
     "bert-question-answering": (bert_question_answering, question_answering_batch, "tokens"),
+    "whisper-speech-to-text": (whisper_speech_to_text, speech_batch, "audio"),
 }
