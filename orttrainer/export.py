@@ -12,6 +12,7 @@ Submodules keep the train/eval mode the user gave them (a frozen BatchNorm stays
 """
 
 import ast
+import contextlib
 import copy
 import functools
 import io
@@ -205,8 +206,47 @@ def _keeping_no_activations():
     return torch.autograd.graph.saved_tensors_hooks(lambda tensor: None, _unreachable_backward)
 
 
+# Custom autograd Functions whose hand-written backward is the gradient of their forward (checked at edge values
+# by tests/test_same_as_torch.py against autograd of the forward): exported as their forward, they train as torch.
+GRADIENT_OF_THEIR_FORWARD = {
+    "transformers.models.bloom.modeling_bloom.GeLUFunction",  # BLOOM's tanh GELU, always through this Function
+}
+
+
+class _Context:
+    """What a custom Function's forward may call on its ctx, doing nothing (``_functions_as_their_forward``)."""
+
+    def save_for_backward(self, *tensors):
+        pass
+
+    def mark_non_differentiable(self, *tensors):
+        pass
+
+
+@contextlib.contextmanager
+def _functions_as_their_forward():
+    """The ``GRADIENT_OF_THEIR_FORWARD`` Functions of the modules loaded, applied as their forward with autograd on:
+    a Function's forward runs without autograd, which ``_NoGradResultsDetached`` would record as detaches."""
+    patched = []
+    for name in GRADIENT_OF_THEIR_FORWARD:
+        module_name, _, qualname = name.rpartition(".")
+        function = getattr(sys.modules.get(module_name), qualname, None)
+        if function is not None:
+            patched.append((function, function.__dict__.get("apply")))
+            function.apply = staticmethod(functools.partial(function.forward, _Context()))
+    try:
+        yield
+    finally:
+        for function, apply in patched:
+            if apply is None:
+                del function.apply
+            else:
+                function.apply = apply
+
+
 def _custom_functions(output) -> list:
-    """Names of the custom torch.autograd.Functions in the autograd graph of ``output``."""
+    """Names of the custom torch.autograd.Functions in the autograd graph of ``output``, but those in
+    ``GRADIENT_OF_THEIR_FORWARD``."""
     seen, found, stack = set(), [], [output.grad_fn]
     while stack:
         node = stack.pop()
@@ -216,7 +256,7 @@ def _custom_functions(output) -> list:
         if isinstance(node, torch.autograd.function.BackwardCFunction):
             function = node._forward_cls
             name = f"{function.__module__}.{function.__qualname__}"
-            if name not in found:
+            if name not in found and name not in GRADIENT_OF_THEIR_FORWARD:
                 found.append(name)
         stack.extend(child for child, _ in node.next_functions)
     return found
@@ -612,7 +652,8 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
         inputs_by_name = {name: tensor for (name, _), tensor in zip(desc_inputs, inputs)}
         state_names = [_WRAPPED + name for name in model.state_dict()]
         with torch.random.fork_rng(devices=devices), symbolics.exporting(), _keeping_no_activations(), \
-                _ExporterWarnings(values, inputs_by_name, state_names) as heard, _NoGradResultsDetached(), values:
+                _ExporterWarnings(values, inputs_by_name, state_names) as heard, _functions_as_their_forward(), \
+                _NoGradResultsDetached(), values:
             torch.onnx.export(
                 wrapper,
                 tuple(inputs),

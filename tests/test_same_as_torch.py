@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from models import CNN, MLP, NoGradTarget, StraightThrough, cnn_batch, mlp_batch
 from parity import cpu_options, run_parity
 
-from orttrainer import GradientBuildError, ORTTrainer, ORTTrainerOptions, build, optim
+from orttrainer import GradientBuildError, ORTTrainer, ORTTrainerOptions, build, export, optim
 from orttrainer.export import ExportError
 from orttrainer.verify import TorchMismatchError
 
@@ -944,3 +944,19 @@ def test_cross_entropy_whose_ignore_index_is_a_size_trains_as_torch_at_two_lengt
             for length, positions in ((5, [1, 7, 4]), (9, [9, 0, 12]), (5, [2, 5, 3]))]  # fmt: skip
     run_parity(AnswerSpan(), data, optim.SGDConfig(lr=0.5), functools.partial(torch.optim.SGD, lr=0.5), loss_fn=None,
                reference_loss=lambda module, batch: module(*batch))  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(export.GRADIENT_OF_THEIR_FORWARD))
+def test_functions_trained_as_their_forward_have_its_gradient_at_edge_values(name):
+    """The custom autograd Functions the trainer exports as their forward (export.GRADIENT_OF_THEIR_FORWARD):
+    their backward equals autograd of their forward in float64, edge values included."""
+    module_name, _, qualname = name.rpartition(".")
+    function = getattr(pytest.importorskip(module_name, reason="the Function's library is not installed"), qualname)
+    magnitudes = [0.0, 1e-30, 1e-8, 1e-3, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 30.0, 1e4, 1e19]
+    x = torch.tensor([sign * value for value in magnitudes for sign in (1.0, -1.0)], dtype=torch.float64, requires_grad=True)
+    upstream = torch.linspace(0.5, 2.0, len(x), dtype=torch.float64)
+    (custom,) = torch.autograd.grad(function.apply(x), x, upstream)
+    x_plain = x.detach().clone().requires_grad_()
+    forward = function.forward(type("Context", (), {"save_for_backward": lambda *tensors: None})(), x_plain)
+    (plain,) = torch.autograd.grad(forward, x_plain, upstream)
+    torch.testing.assert_close(custom, plain, rtol=1e-6, atol=1e-12, equal_nan=True)

@@ -293,6 +293,17 @@ def gpt2_lm():
     return transformers.GPT2LMHeadModel(config)
 
 
+def bloom_lm():
+    """BLOOM: ALiBi attention biases, its tanh GELU through a custom autograd Function whose backward is the
+    gradient of its forward (export.GRADIENT_OF_THEIR_FORWARD)."""
+    import transformers
+
+    config = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=2, hidden_dropout=0.0,
+                                      attention_dropout=0.0, use_cache=False, pad_token_id=0, bos_token_id=1,
+                                      eos_token_id=2)  # fmt: skip
+    return transformers.BloomForCausalLM(config)
+
+
 def llama_lm():
     """Llama's layout: rotary positions, RMSNorm, SiLU-gated MLP, grouped-query attention (4 heads, 2 key/value)."""
     import transformers
@@ -409,4 +420,5 @@ HUGGING_FACE_MODELS = {
     "wav2vec2-audio-classifier": (wav2vec2_audio_classifier, audio_batch, "audio"),
     "bert-question-answering": (bert_question_answering, question_answering_batch, "tokens"),
     "whisper-speech-to-text": (whisper_speech_to_text, speech_batch, "audio"),
+    "bloom-lm": (bloom_lm, causal_lm_batch, "tokens"),
 }
