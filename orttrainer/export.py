@@ -681,6 +681,7 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
     _strip_wrapper_prefix(exported)
     lookups = resolve_markers(exported)
     rewrites.inline_decided_ifs(exported)
+    rewrites.torch_average_pools(exported)
     return exported, lookups, heard.frozen_values
 
 

@@ -466,6 +466,9 @@ def average_pool(build):
     extra = [0] * dims
     if build.attribute("ceil_mode", 0):
         lengths = build.static_dims(x, range(2, dims + 2))
+        # a window longer than the padded input (EfficientNet's AvgPool2d(1280, ceil_mode=True) over 4x4) is
+        # torch's only one on that axis (it could not run otherwise): a kernel of the padded length sums the same
+        kernel = [min(size, length + before + after) for size, length, before, after in zip(kernel, lengths, pads[:dims], pads[dims:])]
         extra = [_ceil_mode_extra(*axis) for axis in zip(lengths, kernel, strides, pads[:dims], pads[dims:])]
     conv_pads = pads[:dims] + [after + more for after, more in zip(pads[dims:], extra)]
     attributes = {"kernel_shape": kernel, "strides": strides, "pads": conv_pads, "group": channels}
@@ -486,6 +489,19 @@ def average_pool(build):
         attributes["pads"] = [0] * dims + extra
     counts = build.op("Conv", [ones_like, build.const(np.ones([1, 1, *kernel]))], **{**attributes, "group": 1})
     build.op("Div", [summed, counts], _output(build))
+
+
+def torch_average_pools(model: onnx.ModelProto) -> list:
+    """Replace, in place, each AveragePool with ceil_mode and count_include_pad by ``average_pool``; return their
+    names. ONNX Runtime's kernel divides a partial last window by the whole kernel, torch's by what it covers
+    of the input and its padding (nn.AvgPool2d(3, 2, ceil_mode=True) over 4x4: 4.33 where torch gives 6.5):
+    replaced in the exported forward, the eval graph and a saved model compute torch's values too. One whose
+    input sizes shape inference does not know stays (a training graph's build then names it)."""
+    targets = [node for node in model.graph.node if node.op_type == "AveragePool"
+               and node_attribute(node, "ceil_mode", 0) and node_attribute(node, "count_include_pad", 0)]  # fmt: skip
+    if not targets:
+        return []
+    return replace_nodes(model, {"AveragePool": average_pool}, targets, shapes=static_shapes(model), failed={})
 
 
 def depth_to_space(build):

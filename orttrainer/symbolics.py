@@ -595,6 +595,44 @@ def scaled_dot_product_attention(g, query, key, value, attn_mask=None, dropout_p
     return g.op("Where", no_key, build.const(0.0, dtype), attended)
 
 
+def _onnx_paddings(g, x, padding):
+    """ONNX Pad's pads (every dim's begin, then every end) for torch's ``padding`` (last dim first, begin and end
+    pairs) as one constant when both it and x's rank are known. torch's symbolic computes them with a dozen ops,
+    which ONNX's shape inference cannot follow (constant folding is off): after EfficientNet's ZeroPad2d every
+    size was unknown, and its pooling, which needs them, was refused."""
+    pairs, rank = symbolic_helper._maybe_get_const(padding, "is"), symbolic_helper._get_tensor_rank(x)
+    if not isinstance(pairs, list) or rank is None or len(pairs) > 2 * rank:
+        return symbolic_opset11._prepare_onnx_paddings(g, x, padding)
+    begins, ends = [0] * rank, [0] * rank
+    for index in range(len(pairs) // 2):
+        begins[rank - 1 - index], ends[rank - 1 - index] = pairs[2 * index], pairs[2 * index + 1]
+    return _ExportGraph(g).const(begins + ends, np.int64)
+
+
+def constant_pad_nd(g, x, padding, value=None):
+    """torch's constant padding, as torch's symbolic writes it but with constant pads (``_onnx_paddings``)."""
+    value = symbolic_helper._if_scalar_type_as(symbolic_helper._maybe_get_scalar(value), x)
+    return g.op("Pad", x, _onnx_paddings(g, x, padding), value, mode_s="constant")
+
+
+def _padding(mode):
+    """torch's reflection or replication padding (``mode``: ONNX's name), with constant pads (``_onnx_paddings``)."""
+    return lambda g, x, padding: g.op("Pad", x, _onnx_paddings(g, x, padding), mode_s=mode)
+
+
+def pad(g, x, padding, mode, value):
+    """torch's F.pad: each mode as its own symbolic here (constant pads); circular as torch's symbolic writes it."""
+    name = symbolic_helper._parse_arg(mode, "s")
+    if name in _PAD_MODES:
+        return _padding(_PAD_MODES[name])(g, x, padding)
+    if name == "constant":
+        return constant_pad_nd(g, x, padding, value)
+    return symbolic_opset11.pad(g, x, padding, mode, value)
+
+
+_PAD_MODES = {"reflect": "reflect", "replicate": "edge"}
+
+
 _INTEGRAL_TYPES = {_type_utils.JitScalarType.BOOL, _type_utils.JitScalarType.UINT8, _type_utils.JitScalarType.INT8,
                    _type_utils.JitScalarType.INT16, _type_utils.JitScalarType.INT}  # fmt: skip
 
@@ -880,6 +918,10 @@ _SYMBOLICS = {
     "scaled_dot_product_attention": scaled_dot_product_attention,
     "diff": diff,
     "cumsum": cumsum,
+    "constant_pad_nd": constant_pad_nd,
+    "pad": pad,
+    **{f"reflection_pad{dims}d": _padding("reflect") for dims in (1, 2, 3)},
+    **{f"replication_pad{dims}d": _padding("edge") for dims in (1, 2, 3)},
     "embedding": embedding,
     "embedding_bag": embedding_bag,
     "rms_norm": rms_norm,

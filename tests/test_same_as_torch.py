@@ -960,3 +960,41 @@ def test_functions_trained_as_their_forward_have_its_gradient_at_edge_values(nam
     forward = function.forward(type("Context", (), {"save_for_backward": lambda *tensors: None})(), x_plain)
     (plain,) = torch.autograd.grad(forward, x_plain, upstream)
     torch.testing.assert_close(custom, plain, rtol=1e-6, atol=1e-12, equal_nan=True)
+
+
+class PaddedPooling(nn.Module):
+    """EfficientNet's stem and pooler in small: ZeroPad2d before a strided conv, an average pool with
+    ceil_mode whose windows overrun the input (count_include_pad, torch's default)."""
+
+    def __init__(self, kernel=3, stride=2):
+        super().__init__()
+        self.pad = nn.ZeroPad2d((0, 1, 0, 1))
+        self.conv = nn.Conv2d(3, 4, 3, stride=2)
+        self.norm = nn.BatchNorm2d(4, eps=1e-3)
+        self.pool = nn.AvgPool2d(kernel, stride, ceil_mode=True)
+        self.head = nn.LazyLinear(3)
+
+    def forward(self, images):
+        return self.head(self.pool(torch.relu(self.norm(self.conv(self.pad(images))))).flatten(1))
+
+
+@pytest.mark.parametrize("kernel, stride", [(3, 2), (1280, 1280)], ids=["partial-windows", "window-beyond-the-input"])
+def test_average_pool_with_ceil_mode_trains_evaluates_and_saves_as_torch(tmp_path, kernel, stride):
+    """ONNX Runtime's AveragePool divides a partial ceil_mode window by the whole kernel (the eval graph and a
+    saved model had other values than torch's; rewrites.torch_average_pools), and torch's pads for F.pad came as
+    a chain of ops after which shape inference knew no size (the pool was refused; symbolics._onnx_paddings)."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    model = PaddedPooling(kernel, stride)
+    model(torch.randn(2, 3, 8, 8))  # the lazy head takes its size
+    data = [(torch.randn(size, 3, 8, 8, generator=generator), torch.randint(0, 3, (size,), generator=generator)) for size in (4, 3, 4)]
+    trainer, reference = run_parity(model, data, optim.SGDConfig(lr=0.1), functools.partial(torch.optim.SGD, lr=0.1),
+                                    loss_fn=F.cross_entropy)  # fmt: skip
+    reference.eval()
+    images, labels = data[1]
+    torch.testing.assert_close(trainer.eval_step(images, labels)[1], reference(images), atol=1e-5, rtol=1e-5)
+    path = tmp_path / "model.onnx"
+    trainer.save_as_onnx(str(path), with_loss=False)
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (output,) = session.run(None, {session.get_inputs()[0].name: images.numpy()})
+    torch.testing.assert_close(torch.from_numpy(output), reference(images), atol=1e-5, rtol=1e-5)

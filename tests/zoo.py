@@ -343,6 +343,19 @@ def bert_question_answering():
     return transformers.BertForQuestionAnswering(transformers.BertConfig(**_ENCODER, max_position_embeddings=64, pad_token_id=0))
 
 
+def efficientnet_classifier():
+    """EfficientNet: a ZeroPad2d before its strided stem, depthwise convolutions, squeeze-excite, SiLU, and an
+    AvgPool2d(1280, ceil_mode=True) over the last small map as its pooler."""
+    import transformers
+
+    config = transformers.EfficientNetConfig(
+        image_size=32, width_coefficient=1.0, depth_coefficient=1.0, kernel_sizes=[3, 3, 5], in_channels=[32, 8, 16],
+        out_channels=[8, 16, 24], strides=[1, 2, 2], num_block_repeats=[1, 1, 1], expand_ratios=[1, 2, 2], hidden_dim=1280,
+        dropout_rate=0.0, drop_connect_rate=0.0, num_labels=3,
+    )  # fmt: skip
+    return transformers.EfficientNetForImageClassification(config)
+
+
 def vit_classifier():
     import transformers
 
@@ -421,4 +434,5 @@ HUGGING_FACE_MODELS = {
     "bert-question-answering": (bert_question_answering, question_answering_batch, "tokens"),
     "whisper-speech-to-text": (whisper_speech_to_text, speech_batch, "audio"),
     "bloom-lm": (bloom_lm, causal_lm_batch, "tokens"),
+    "efficientnet-image-classifier": (efficientnet_classifier, functools.partial(vit_batch, size=32), "images"),
 }
