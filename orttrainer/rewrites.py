@@ -610,13 +610,13 @@ def _repeats_each_value(build, length, factor):
 
 def resize(build):
     """Resize (ONNX Runtime has no CPU kernel for ResizeGrad): nearest by whole-number factors
-    (``nearest_upsample``), linear as torch's bilinear/trilinear (``linear_resize``)."""
+    (``nearest_upsample``), linear and cubic as torch's interpolations (``interpolating_resize``)."""
     mode = build.attribute("mode", "nearest")
     if mode == "nearest":
         return nearest_upsample(build)
-    if mode == "linear":
-        return linear_resize(build)
-    raise RewriteError(f"Resize node '{build.node.name}': only modes 'nearest' and 'linear' can be rewritten, got {mode!r}")
+    if mode in _INTERPOLATIONS:
+        return interpolating_resize(build)
+    raise RewriteError(f"Resize node '{build.node.name}': only modes 'nearest', 'linear' and 'cubic' can be rewritten, got {mode!r}")
 
 
 def _resize_scales(build, dims):
@@ -660,10 +660,10 @@ def _gathered(build, x, axis, indices, output=None):
     return build.op("Gather", [x, build.const(np.asarray(indices, np.int64), np.int64)], output, axis=axis)
 
 
-def _source_coordinates(transform: str, length: int, size: int, scale: float, from_scales: bool):
-    """torch's upsample_linear source coordinate of each of ``size`` outputs on an axis of ``length``, in
-    float32 as torch computes it: its scale is 1 / scale_factor when the export carries scales, else
-    length / size (align_corners: (length - 1) / (size - 1)); negative coordinates clamp to 0."""
+def _source_coordinates(transform: str, length: int, size: int, scale: float, from_scales: bool, cubic: bool):
+    """torch's upsample source coordinate of each of ``size`` outputs on an axis of ``length``, in float32 as
+    torch computes it: its scale is 1 / scale_factor when the export carries scales, else length / size
+    (align_corners: (length - 1) / (size - 1)); negative coordinates clamp to 0 but for cubic interpolation."""
     outputs = np.arange(size, dtype=np.float32)
     if transform == "align_corners":
         ratio = np.float32((length - 1) / (size - 1)) if size > 1 else np.float32(0.0)
@@ -673,21 +673,53 @@ def _source_coordinates(transform: str, length: int, size: int, scale: float, fr
         return ratio * outputs
     if transform == "pytorch_half_pixel" and size == 1:
         return np.zeros(1, np.float32)
-    return np.maximum(ratio * (outputs + np.float32(0.5)) - np.float32(0.5), np.float32(0.0))
+    source = ratio * (outputs + np.float32(0.5)) - np.float32(0.5)
+    return source if cubic else np.maximum(source, np.float32(0.0))
 
 
-def linear_resize(build):
-    """Resize in linear mode as torch's upsample_(bi/tri)linear: along each resized axis, the last first,
-    y = l0 * x[i0] + l1 * x[i1] with two Gathers of constant neighbour indices (i1 = i0 + 1 but at the
-    last index) and constant weights. Only the two neighbours of an output are read, as in torch, so an
-    inf or NaN reaches the outputs next to it only (an interpolation matrix would multiply it by 0).
-    Weights computed in float32 as torch does; the sum's rounding may differ from torch's by an ulp."""
-    x = build.node.input[0]
+def _linear_taps(source: np.ndarray, length: int, _a=None) -> list:
+    """(indices, weights) of torch's linear interpolation: x[i0] (1 - t) + x[i1] t, i1 = i0 + 1 but at the last index."""
+    first = np.minimum(np.floor(source).astype(np.int64), length - 1)
+    second = first + (first < length - 1)
+    weight = source - first.astype(np.float32)
+    return [(first, np.float32(1.0) - weight), (second, weight)]
+
+
+def _cubic_taps(source: np.ndarray, length: int, a: float) -> list:
+    """(indices, weights) of torch's bicubic interpolation (upsample_bicubic2d): the four inputs around the source,
+    clamped to the axis, weighted by Keys' cubic convolution with coefficient ``a`` at torch's float32 fraction t.
+    The weights are evaluated in float64 and rounded: the far lobes' polynomial cancels (terms near 3 for a weight
+    near -0.04), and torch's float32 evaluation is a few ulps off either way (its compiler contracts it)."""
+    floor = np.floor(source)
+    t = (source - floor).astype(np.float32).astype(np.float64)
+
+    def near(x):  # cubic_convolution1: |x| <= 1
+        return ((a + 2) * x - (a + 3)) * x * x + 1
+
+    def far(x):  # cubic_convolution2: 1 < |x| < 2
+        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+
+    weights = [far(t + 1), near(t), near(1 - t), far(2 - t)]
+    start = floor.astype(np.int64) - 1
+    return [(np.clip(start + offset, 0, length - 1), weight.astype(np.float32)) for offset, weight in enumerate(weights)]
+
+
+_INTERPOLATIONS = {"linear": _linear_taps, "cubic": _cubic_taps}
+
+
+def interpolating_resize(build):
+    """Resize in linear or cubic mode as torch's upsample_(bi/tri)linear and upsample_bicubic2d: along each resized
+    axis, the last first, y = sum of w_k * x[i_k] with a Gather of constant indices and constant weights per tap
+    (two for linear, the second the first + 1 but at the last index; four for cubic, clamped to the axis). Only
+    the inputs torch's kernel reads are read, so an inf or NaN reaches the outputs next to it only (an
+    interpolation matrix would multiply it by 0). Weights computed in float32 as torch does; the sum's
+    rounding may differ from torch's by an ulp."""
+    x, mode = build.node.input[0], build.attribute("mode")
     transform = build.attribute("coordinate_transformation_mode", "half_pixel")
     if transform not in ("half_pixel", "pytorch_half_pixel", "align_corners", "asymmetric"):
         raise RewriteError(f"Resize node '{build.node.name}': coordinate transformation {transform!r} cannot be rewritten")
-    if build.attribute("axes") is not None or build.attribute("antialias", 0):
-        raise RewriteError(f"Resize node '{build.node.name}': axes or antialias cannot be rewritten")
+    if build.attribute("axes") is not None or build.attribute("antialias", 0) or build.attribute("exclude_outside", 0):
+        raise RewriteError(f"Resize node '{build.node.name}': axes, antialias or exclude_outside cannot be rewritten")
     rank = len(build.shape(x))
     dims = build.static_dims(x, range(2, rank))
     scales, from_scales = _resize_scales(build, [None, None] + dims)
@@ -697,14 +729,13 @@ def linear_resize(build):
     axes = [axis for axis in range(rank - 1, 1, -1) if round(dims[axis - 2] * scales[axis]) != dims[axis - 2]]
     for axis in axes:
         length, size = dims[axis - 2], int(round(dims[axis - 2] * scales[axis]))
-        source = _source_coordinates(transform, length, size, scales[axis], from_scales)
-        first = np.minimum(np.floor(source).astype(np.int64), length - 1)
-        second = first + (first < length - 1)
-        weight = source - first.astype(np.float32)
+        source = _source_coordinates(transform, length, size, scales[axis], from_scales, cubic=mode == "cubic")
+        taps = _INTERPOLATIONS[mode](source, length, build.attribute("cubic_coeff_a", -0.75))
         along = [size] + [1] * (rank - 1 - axis)
-        terms = [build.op("Mul", [_gathered(build, resized, axis, index), build.const(factor.reshape(along))])
-                 for index, factor in ((first, np.float32(1.0) - weight), (second, weight))]  # fmt: skip
-        resized = build.op("Add", terms, _output(build) if axis == axes[-1] else None)
+        terms = [build.op("Mul", [_gathered(build, resized, axis, index), build.const(weight.reshape(along))]) for index, weight in taps]
+        for term in terms[1:-1]:  # added left to right, as torch's kernel does (Sum has no gradient builder)
+            terms[0] = build.op("Add", [terms[0], term])
+        resized = build.op("Add", [terms[0], terms[-1]], _output(build) if axis == axes[-1] else None)
     if not axes:
         build.op("Identity", [x], _output(build))
 

@@ -314,6 +314,25 @@ def test_linear_resize(scales, align_corners):
     assert not {"Resize", "GatherGrad"} & op_types(train)
 
 
+@pytest.mark.parametrize("scales, align_corners", [((2, 2), False), ((1.5, 3), False), ((0.5, 2), False), ((2, 1.5), True)])
+def test_cubic_resize(scales, align_corners):
+    """Bicubic up- and downsampling as torch's upsample_bicubic2d: the four inputs around each source coordinate
+    (clamped to the axis, negative coordinates not clamped), Keys' weights with a = -0.75; an inf or NaN spreads
+    to the outputs within two inputs of it only. torch's float32 weights round differently (a few ulps: its
+    compiler contracts the polynomial; torch's own float32 result is up to ~30 ulps off float64's here), and the
+    weights' negative lobes cancel: 64 ulps of the output."""
+    x = _with_specials((1, 2, 4, 6))
+    x.reshape(-1)[20:24] = [3e38, 1e-40, 5.0, 7.0]
+    reference = lambda x: F.interpolate(x, scale_factor=scales, mode="bicubic", align_corners=align_corners)  # noqa: E731
+    upstream = upstream_like(reference(torch.tensor(x)).shape)
+    transform = "align_corners" if align_corners else "pytorch_half_pixel"
+    attributes = {"mode": "cubic", "coordinate_transformation_mode": transform, "cubic_coeff_a": -0.75}
+    constants = {"scales": np.array([1, 1, *scales], np.float32)}
+    model = single_op_model("Resize", ["x", "", "scales"], {"x": x}, upstream, attributes, constants=constants)
+    train = check_against_torch(model, reference, {"x": x}, ["x"], upstream, ulps=64)
+    assert not {"Resize", "GatherGrad"} & op_types(train)
+
+
 @pytest.mark.parametrize("mode, pads", [("reflect", [0, 0, 2, 1, 0, 0, 1, 3]), ("edge", [0, 0, 3, 0, 0, 0, 2, 2]),
                                         ("edge", [0, 0, -1, 2, 0, 0, 1, -2])])  # fmt: skip
 def test_reflect_and_edge_padding(mode, pads):

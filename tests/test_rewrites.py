@@ -107,6 +107,9 @@ CASES = {
     "Resize (nearest)": (lambda: Around(nn.Upsample(scale_factor=2), images=True), images),
     "Resize (nearest to a size)": (lambda: Around(lambda h: F.interpolate(h, size=(16, 24)), images=True), images),
     "Resize (bilinear)": (lambda: Around(nn.Upsample(scale_factor=2, mode="bilinear"), images=True), images),
+    "Resize (bicubic)": (lambda: Around(nn.Upsample(scale_factor=2, mode="bicubic"), images=True), images),
+    "Resize (bicubic, align_corners, to a size)": (
+        lambda: Around(lambda h: F.interpolate(h, size=(5, 11), mode="bicubic", align_corners=True), images=True), images),
     "Resize (bilinear, align_corners)": (
         lambda: Around(nn.Upsample(scale_factor=1.5, mode="bilinear", align_corners=True), images=True), images),
     "Resize (bilinear to a size: down and up)": (
@@ -295,19 +298,19 @@ def test_an_op_that_cannot_be_rewritten_is_named():
 
 
 def test_an_op_that_cannot_be_rewritten_names_its_module():
-    """Bicubic upsampling exports a Resize in cubic mode, which has no rewrite."""
+    """Nearest upsampling by a fraction exports a Resize whose rewrite repeats values a whole number of times only."""
 
-    class WithBicubic(nn.Module):
+    class WithFractionalNearest(nn.Module):
         def __init__(self):
             super().__init__()
             self.conv = nn.Conv2d(3, 4, 3)
-            self.up = nn.Upsample(scale_factor=2, mode="bicubic")
+            self.up = nn.Upsample(scale_factor=1.5, mode="nearest")
 
         def forward(self, x):
             return self.up(self.conv(x)).mean((2, 3))
 
-    trainer = ORTTrainer(WithBicubic(), None, optim.SGDConfig(), loss_fn=F.mse_loss, options=cpu_options())
-    with pytest.raises(GradientBuildError, match=r"cannot make this op differentiable in module 'up': Resize node .*'cubic'"):
+    trainer = ORTTrainer(WithFractionalNearest(), None, optim.SGDConfig(), loss_fn=F.mse_loss, options=cpu_options())
+    with pytest.raises(GradientBuildError, match=r"cannot make this op differentiable in module 'up': Resize node .*whole-number"):
         trainer.train_step(torch.randn(2, 3, 8, 8), torch.randn(2, 4))
 
 
