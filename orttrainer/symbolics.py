@@ -589,8 +589,9 @@ def scaled_dot_product_attention(g, query, key, value, attn_mask=None, dropout_p
     if _type_utils.JitScalarType.from_value(attn_mask) == _type_utils.JitScalarType.BOOL:  # as torch's symbolic turns it
         attn_mask = g.op("Where", attn_mask, _constant(g, [0.0]), _constant(g, [-float("inf")]))
     build, dtype = _ExportGraph(g), _numpy_dtype(query)
+    # [..., queries, 1]: whether a query's every key is masked
     no_key = g.op("Equal", build.reduce("ReduceMax", attn_mask, [-1], 1), build.const(-np.inf, _numpy_dtype(attn_mask)))
-    safe_mask = g.op("Where", no_key, build.const(0.0, _numpy_dtype(attn_mask)), attn_mask)  # [..., queries, 1] above
+    safe_mask = g.op("Where", no_key, build.const(0.0, _numpy_dtype(attn_mask)), attn_mask)
     attended = torch_symbolic(g, query, key, value, safe_mask, dropout_p, is_causal, scale, enable_gqa)
     return g.op("Where", no_key, build.const(0.0, dtype), attended)
 
@@ -620,6 +621,9 @@ def _padding(mode):
     return lambda g, x, padding: g.op("Pad", x, _onnx_paddings(g, x, padding), mode_s=mode)
 
 
+_PAD_MODES = {"reflect": "reflect", "replicate": "edge"}  # torch's padding mode: ONNX Pad's
+
+
 def pad(g, x, padding, mode, value):
     """torch's F.pad: each mode as its own symbolic here (constant pads); circular as torch's symbolic writes it."""
     name = symbolic_helper._parse_arg(mode, "s")
@@ -628,9 +632,6 @@ def pad(g, x, padding, mode, value):
     if name == "constant":
         return constant_pad_nd(g, x, padding, value)
     return symbolic_opset11.pad(g, x, padding, mode, value)
-
-
-_PAD_MODES = {"reflect": "reflect", "replicate": "edge"}
 
 
 _INTEGRAL_TYPES = {_type_utils.JitScalarType.BOOL, _type_utils.JitScalarType.UINT8, _type_utils.JitScalarType.INT8,
