@@ -190,7 +190,10 @@ def match_inputs(args, kwargs, model_desc=None, model=None, has_label=False):
         names, tensors = _in_desc_order(model_desc.inputs, args, kwargs)
     for name, tensor in zip(names, tensors):
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"input '{name}' must be a torch.Tensor, got {type(tensor).__name__}")
+            raise TypeError(
+                f"input '{name}' must be a torch.Tensor, got {type(tensor).__name__}: every argument of a step is a graph "
+                "input; fix a flag such as return_loss=True in the module instead (a wrapper whose forward passes it)"
+            )
     if model_desc is not None:  # an inferred one (form set) names sizes after the first batch, and ties none of them
         _check_against_entries(model_desc.inputs, tensors, same_names_same_size=model_desc.form is None)
     return names, tensors

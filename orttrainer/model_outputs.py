@@ -116,6 +116,12 @@ def _checked_field(key, value, model_name):
         return value
     if isinstance(value, (tuple, list)) and value and all(isinstance(item, torch.Tensor) for item in value):
         return tuple(value)
+    if isinstance(value, Mapping):
+        raise TypeError(
+            f"{model_name}.forward returned '{key}' as a {type(value).__name__}, a ModelOutput inside the ModelOutput (CLIP's "
+            "text_model_output); the graph can only return tensors and tuples of tensors: wrap the model in a module whose "
+            "forward returns the fields you need"
+        )
     raise TypeError(
         f"{model_name}.forward returned '{key}' as a {type(value).__name__}; the graph can only return tensors and "
         f"tuples of tensors (None and '{GENERATION_CACHE}' are left out). Turn off what produces it (e.g. "

@@ -252,13 +252,22 @@ class TupleTagger(Tagger):
     "model, message",
     [(Tagger(extra={"count": 3}), r"Tagger.forward returned 'count' as a int; the graph can only return tensors"),
      (Tagger(extra={"hidden_states": (torch.ones(1), None)}), r"Tagger.forward returned 'hidden_states' as a tuple"),
-     (TupleTagger(), r"TupleTagger.forward returned a object as output \[2\].*config.use_cache=False")],
-    ids=["int-field", "tuple-with-none", "object-in-tuple"],
+     (TupleTagger(), r"TupleTagger.forward returned a object as output \[2\].*config.use_cache=False"),
+     (Tagger(extra={"text_output": {"last_hidden_state": torch.ones(1)}}),
+      r"Tagger.forward returned 'text_output' as a dict, a ModelOutput inside the ModelOutput .*wrap the model")],
+    ids=["int-field", "tuple-with-none", "object-in-tuple", "nested-output"],
 )  # fmt: skip
 def test_an_output_that_is_not_a_tensor_is_refused_by_name(model, message):
     trainer = ORTTrainer(model, None, optim.SGDConfig(lr=LR), options=cpu_options())
     with pytest.raises(TypeError, match=message):
         trainer.train_step(_tagger_batch(torch.Generator().manual_seed(1)))
+
+
+def test_a_flag_passed_to_a_step_is_refused_with_what_to_do():
+    """CLIP computes its loss only with return_loss=True; a step's arguments are graph inputs, so tensors."""
+    trainer = ORTTrainer(Tagger(), None, optim.SGDConfig(lr=LR), options=cpu_options())
+    with pytest.raises(TypeError, match=r"input 'scale' must be a torch.Tensor, got float: .*return_loss=True in the module"):
+        trainer.train_step(**_tagger_batch(torch.Generator().manual_seed(1)), scale=3.0)
 
 
 class TrainingOnlyOutput(Tagger):
