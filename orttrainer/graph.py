@@ -229,7 +229,8 @@ def spell_batch_statistics_norms(model: onnx.ModelProto) -> list:
     their formula (``rewrites.batch_statistics_batch_norm``); return their names. A plain ONNX Runtime
     build has no training-mode BatchNormalization kernel (the trainer's eval session, on
     onnxruntime-training, keeps the node)."""
-    targets = [node for node in model.graph.node if node.op_type == "BatchNormalization"]
+    # set_inference_mode left the statistics outputs of these only
+    targets = [node for node in model.graph.node if node.op_type == "BatchNormalization" and any(node.output[1:])]
     if not targets:
         return []
     table = {"BatchNormalization": rewrites.batch_statistics_batch_norm}
