@@ -25,7 +25,7 @@ import torch
 from onnx import numpy_helper
 
 from . import cpu_kernels, defined_gradients, export, graph, rewrites, session, torch_convolutions, verify
-from .model_desc import _ORTTrainerModelDesc, forward_parameters, infer_model_desc
+from .model_desc import _ORTTrainerModelDesc, forward_keywords, forward_parameters, infer_model_desc
 
 
 class Runtime:
@@ -173,6 +173,7 @@ class TorchExport:
     """The module + loss exported at one batch, before anything is built from it."""
 
     inputs: list  # the batch, on the CPU
+    constants: dict  # the step's constants, given to forward as they are (model_desc.match_inputs)
     desc: _ORTTrainerModelDesc  # the user's, or inferred from this batch
     outputs: list  # torch's outputs for this batch (eval mode, no autograd), the loss among them
     state: dict  # the module's state before the export (_state_before_export)
@@ -190,8 +191,9 @@ class TorchSource:
         self.forward_names = _forward_names(self.module, input_names, loss_fn)
         self.loss_fn, self.options, self.model_desc = loss_fn, options, model_desc
 
-    def export(self, input_names, inputs, compared_only=False) -> TorchExport:
-        """Export at this batch; ``model_desc`` None: inferred from it (dim 0 dynamic).
+    def export(self, input_names, inputs, constants, compared_only=False) -> TorchExport:
+        """Export at this batch and these constants (forward's keywords baked into the trace); ``model_desc``
+        None: inferred from them (dim 0 dynamic).
 
         ``compared_only``: the graph is only compared with the one built at the same shapes from other
         values (graph_cache's values check); the custom-backward check that build ran is not repeated, and
@@ -201,21 +203,21 @@ class TorchSource:
         """
         module, loss_fn = self.module, self.loss_fn
         cpu_inputs = [tensor.detach().to("cpu", copy=True) for tensor in inputs]  # forward may change what it is given
-        outputs, form = export.sample_outputs(module, loss_fn, self.forward_names, cpu_inputs)
+        outputs, form = export.sample_outputs(module, loss_fn, self.forward_names, cpu_inputs, constants)
         outputs = list(outputs)
         desc = self.model_desc or infer_model_desc(input_names, cpu_inputs, outputs, form)
         if compared_only:
             state = dict(module.state_dict())
         else:
             loss_index = _loss_index(desc, outputs, loss_fn, inferred=self.model_desc is None)
-            export.refuse_custom_backward(module, loss_fn, self.forward_names, cpu_inputs, loss_index)
+            export.refuse_custom_backward(module, loss_fn, self.forward_names, cpu_inputs, loss_index, constants)
             state = _state_before_export(module)
         onnx_model, lookups, frozen_values = export.export_to_onnx(
             module, cpu_inputs, loss_fn, self.forward_names, [(entry.name, entry.shape) for entry in desc.inputs],
             [(entry.name, entry.shape) for entry in desc.outputs], self.options._internal_use.onnx_opset_version,
-            with_weights=not compared_only,
+            with_weights=not compared_only, constants=constants,
         )  # fmt: skip
-        return TorchExport(cpu_inputs, desc, outputs, state, onnx_model, lookups, frozen_values)
+        return TorchExport(cpu_inputs, dict(constants), desc, outputs, state, onnx_model, lookups, frozen_values)
 
     def load_weights(self, weights: dict) -> None:
         """Give the export copy the trainer's current weights, so that a later export and its
@@ -280,11 +282,11 @@ def _torch_reference(source, exported) -> verify.Reference:
     parameters = [name for name, _ in source.module.named_parameters()]
     step = verify.torch_step(source.module, source.loss_fn, source.forward_names, exported.inputs, exported.state,
                              output_names=[entry.name for entry in desc.outputs], loss_name=desc.loss_output.name,
-                             trained=parameters)  # fmt: skip
+                             trained=parameters, constants=exported.constants)  # fmt: skip
     # digests of the values: on the CPU the trainer's weight tensors are these very tensors, and a state_dict
     # loaded before the first step writes into them
     digests = {name: verify.weight_digest(tensor) for name, tensor in exported.state.items()}
-    return verify.Reference(source.module, source.forward_names, step, digests)
+    return verify.Reference(source.module, source.forward_names, exported.constants, step, digests)
 
 
 def _in_graph(onnx_model, state: dict) -> list:
@@ -294,24 +296,28 @@ def _in_graph(onnx_model, state: dict) -> list:
 
 
 def _check_same_weights(shared, in_graph, trainable) -> None:
-    """A graph for other shapes must read and train the weights the trainer already holds."""
-    new = [name for name in in_graph if name not in shared.weights] + sorted(set(trainable) - set(shared.trainable))
+    """A graph for other shapes or constants must read and train the weights the trainer already holds."""
+    new = [name for name in in_graph if name not in shared.weights]
+    new += sorted(set(trainable) - set(shared.trainable) - set(new))
     untrained = sorted(set(shared.trainable) - set(trainable))
     if new or untrained:
         raise NotImplementedError(
-            "the graph for this batch's shapes uses other weights than the graph of earlier batches"
+            "the graph for this batch's shapes and Python values uses other weights than the graph of earlier batches"
             + (f" (only here: {new})" if new else "") + (f" (trained only there: {untrained})" if untrained else "")
-            + ": a branch on the batch's shapes switches parameters, and orttrainer trains one fixed set of weights for "
-            "every shape; pad the batches to one shape, or train this model with torch"
+            + ": a branch on the batch's shapes or on a value passed to the step switches parameters, and orttrainer "
+            "trains one fixed set of weights for every graph; pad the batches to one shape and keep such values, or "
+            "train this model with torch"
         )
 
 
 def _forward_names(module, input_names, loss_fn) -> list:
-    """The inputs that go to ``forward`` (all but the label); each must be one of its parameters."""
+    """The inputs that go to ``forward`` (all but the label); each must be one of its parameters (or a
+    keyword its ``**kwargs`` declares, ``model_desc.forward_keywords``)."""
     label_count = 1 if loss_fn is not None else 0
     forward_names = input_names[: len(input_names) - label_count]
     signature = forward_parameters(module)
-    not_in_forward = [name for name in forward_names if name not in signature]
+    accepted = set(signature) | set(forward_keywords(module))
+    not_in_forward = [name for name in forward_names if name not in accepted]
     if not_in_forward:
         raise ValueError(f"inputs {not_in_forward} are not parameters of {type(module).__name__}.forward{tuple(signature)}")
     return forward_names

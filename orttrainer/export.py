@@ -43,18 +43,20 @@ class ExportError(ValueError):
 
 class _ModelWithLoss(torch.nn.Module):
     """Passes the inputs to ``forward`` by keyword (so that forward's defaults hold for those
-    the batch leaves out) and returns the graph's outputs: the loss first, then the model's
-    outputs as tensors (model_outputs.flatten; ``form`` says how, after a call)."""
+    the batch leaves out), with the step's ``constants`` (Python values the trace bakes in), and
+    returns the graph's outputs: the loss first, then the model's outputs as tensors
+    (model_outputs.flatten; ``form`` says how, after a call)."""
 
-    def __init__(self, model, loss_fn, forward_names):
+    def __init__(self, model, loss_fn, forward_names, constants):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
         self.forward_names = forward_names
+        self.constants = dict(constants or {})
         self.form = None
 
     def forward(self, *inputs):
-        outputs = self.model(**dict(zip(self.forward_names, inputs)))
+        outputs = self.model(**dict(zip(self.forward_names, inputs)), **self.constants)
         loss = None
         if self.loss_fn is not None:
             given = outputs
@@ -65,15 +67,16 @@ class _ModelWithLoss(torch.nn.Module):
         return tuple(tensors)
 
 
-def with_loss(model, loss_fn, forward_names) -> torch.nn.Module:
-    """``model`` + ``loss_fn`` as one module taking the graph's inputs and returning its outputs."""
-    return _ModelWithLoss(model, loss_fn, forward_names)
+def with_loss(model, loss_fn, forward_names, constants=None) -> torch.nn.Module:
+    """``model`` + ``loss_fn`` as one module taking the graph's inputs and returning its outputs;
+    ``constants`` ({name: Python value}) go to forward with the inputs."""
+    return _ModelWithLoss(model, loss_fn, forward_names, constants)
 
 
-def sample_outputs(model, loss_fn, forward_names, inputs):
+def sample_outputs(model, loss_fn, forward_names, inputs, constants=None):
     """Run model (+ loss) once in eval mode without autograd, leaving the module as it was:
     (the graph's outputs, their model_outputs.OutputForm)."""
-    wrapper = with_loss(model, loss_fn, forward_names)
+    wrapper = with_loss(model, loss_fn, forward_names, constants)
     modes = {layer: layer.training for layer in model.modules()}
     model.eval()
     try:
@@ -262,7 +265,7 @@ def _custom_functions(output) -> list:
     return found
 
 
-def refuse_custom_backward(module, loss_fn, forward_names, inputs, loss_index: int) -> None:
+def refuse_custom_backward(module, loss_fn, forward_names, inputs, loss_index: int, constants=None) -> None:
     """Run forward + loss once with autograd and refuse what carries a hand-written backward.
 
     A custom ``torch.autograd.Function`` is exported as its forward ops, so its backward
@@ -270,7 +273,7 @@ def refuse_custom_backward(module, loss_fn, forward_names, inputs, loss_index: i
     gradient of those ops; a hook registered on a tensor inside forward would never run.
     """
     state = {name: tensor.clone() for name, tensor in module.state_dict().items()}
-    wrapper = with_loss(module, loss_fn, forward_names)
+    wrapper = with_loss(module, loss_fn, forward_names, constants)
     try:
         with torch.enable_grad(), _keeping_no_activations(), _HookAndFunctionSpy() as spy:
             outputs = wrapper(*inputs)
@@ -335,6 +338,8 @@ _HARMLESS = [
     # a recurrent layer's initial state sized by the sample batch: graph_cache exports again at every
     # new shape signature and builds another graph when the trace differs
     (UserWarning, r"Exporting a model to ONNX with a batch_size other than 1, with a variable length with"),
+    # len(tensor), a size of the sample batch (CLIP's contrastive loss, arange(len(logits))): likewise
+    (torch.jit.TracerWarning, r"Using len to get tensor shape might cause the trace to be incorrect"),
     # BatchNorm's batch counter: the trainer counts batches itself
     (UserWarning, r"Removing mutation from node aten::add_ on block input: '[^']*num_batches_tracked'"),
 ]
@@ -634,26 +639,29 @@ def resolve_markers(model: onnx.ModelProto) -> dict:
     return lookups
 
 
-def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outputs, opset: int, with_weights=True):
+def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outputs, opset: int, with_weights=True,
+                   constants=None):  # fmt: skip
     """Export ``model`` (+ ``loss_fn``) in the modes it trains in, names and dynamic axes from model_desc.
 
     ``model`` comes from :func:`module_for_export`; ``desc_inputs``/``desc_outputs`` are
     (name, shape) pairs, string dims become dynamic. The global torch RNG is left as it
     was (tracing runs dropout once). ``with_weights`` False: the weights are graph inputs
     of their type and shape instead of initializers (``rewrites.copy_with_inputs_for``'s form).
+    ``constants`` go to forward as they are, so the graph holds what they chose.
     Returns the ModelProto, {Gather node: EmbeddingLookup} and the locations where the trace
     froze a value of this batch (see ``_FROZEN_VALUE``).
     """
-    wrapper = with_loss(model, loss_fn, forward_names)
+    wrapper = with_loss(model, loss_fn, forward_names, constants)
     buffer = io.BytesIO()
     devices = [inputs[0].device.index or 0] if inputs and inputs[0].is_cuda else []
     try:
         values = _ValuesTurnedPython()
         inputs_by_name = {name: tensor for (name, _), tensor in zip(desc_inputs, inputs)}
         state_names = [_WRAPPED + name for name in model.state_dict()]
-        with torch.random.fork_rng(devices=devices), symbolics.exporting(), _keeping_no_activations(), \
-                _ExporterWarnings(values, inputs_by_name, state_names) as heard, _functions_as_their_forward(), \
-                _NoGradResultsDetached(), values:
+        # autograd on whatever the caller's mode (an eval_step under torch.no_grad() builds a graph that trains)
+        with torch.random.fork_rng(devices=devices), symbolics.exporting(), torch.enable_grad(), \
+                _keeping_no_activations(), _ExporterWarnings(values, inputs_by_name, state_names) as heard, \
+                _functions_as_their_forward(), _NoGradResultsDetached(), values:
             torch.onnx.export(
                 wrapper,
                 tuple(inputs),

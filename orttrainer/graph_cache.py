@@ -2,9 +2,11 @@
 
 The TorchScript exporter traces the module at one batch, and a trace can hold sizes of that
 batch (the Reshape shapes of seq-first attention, the branch a Python ``if`` on a shape took):
-right at that batch's shapes, wrong at others. So the first batch of every new shape signature
-(the inputs' names, shapes and dtypes) is exported again and compared with the graphs already
-built, without their weights: the same graph (a trace generic in those shapes: checked, not
+right at that batch's shapes, wrong at others. It always holds what the step's constants chose
+(``return_loss=True``, ``output_hidden_states``: keywords forward gets as Python values). So the
+first batch of every new signature (the inputs' names, shapes and dtypes, and the constants'
+names, types and values) is exported again and compared with the graphs already built,
+without their weights: the same graph (a trace generic in those shapes: checked, not
 assumed) serves the new signature too; another graph is built over the same weight tensors
 (``build.from_torch(..., shared=)``), so one optimizer, one set of gradient buffers, BatchNorm
 statistics, scales and checkpoint serve all graphs. At most ``MAX_GRAPHS`` built graphs are
@@ -32,35 +34,38 @@ MAX_GRAPHS = 8  # built graphs kept (each holds a training and an eval session)
 
 
 class _Graph:
-    """A built graph and the structure it is recognised by (``_structure``)."""
+    """A built graph, the structure it is recognised by (``_structure``) and the model_desc the trainer
+    shows while it serves (``_any_size`` of an inferred one)."""
 
-    def __init__(self, runtime, structure: bytes):
-        self.runtime, self.structure = runtime, structure
+    def __init__(self, runtime, structure: bytes, desc):
+        self.runtime, self.structure, self.desc = runtime, structure, desc
 
 
 class _ValuesCheck:
     """A signature whose trace froze values of its first batch: at the first batch of other values,
-    one more export, which must give the same graph."""
+    one more export (with the signature's constants), which must give the same graph."""
 
     def __init__(self, exported, structure: bytes):
         self.locations, self.first_inputs, self.structure = exported.frozen_values, exported.inputs, structure
+        self.constants = exported.constants
 
     def done(self, source, input_names, inputs) -> bool:
         """Whether the check ran (then the signature needs no other); ExportError if the graph differs."""
         cpu_inputs = [tensor.cpu() for tensor in inputs]
         if all(torch.equal(first, now) for first, now in zip(self.first_inputs, cpu_inputs)):
             return False
-        again = source.export(input_names, cpu_inputs, compared_only=True)
+        again = source.export(input_names, cpu_inputs, self.constants, compared_only=True)
         export.refuse_data_dependent_trace(self.structure, _structure(again.onnx_model, again.state), self.locations)
         return True
 
 
 class GraphCache:
-    """The graphs of one trainer's torch module, by batch shape signature, least recently used first.
+    """The graphs of one trainer's torch module, by batch signature, least recently used first.
 
-    ``model_desc`` is what the trainer accepts: the user's, or the one inferred from the first
-    batch with every size free (the module decides which shapes it accepts). ``built`` counts the
-    graphs built so far, dropped ones included.
+    ``model_desc`` is what the trainer accepts and returns: the user's, or the one inferred from the
+    batch of the graph that served the last batch, with every size free (the module decides which
+    shapes it accepts; constants may change the outputs). ``built`` counts the graphs built so far,
+    dropped ones included.
     """
 
     def __init__(self, model, loss_fn, options, model_desc, device, providers, data_parallel):
@@ -73,35 +78,35 @@ class GraphCache:
         self.built = 0
         self._warned = False
 
-    def runtime_for(self, input_names, inputs) -> build.Runtime:
+    def runtime_for(self, input_names, inputs, constants) -> build.Runtime:
         """The Runtime of this batch's signature; the first batch of a new one exports (and maybe builds)."""
-        signature = tuple((name, tuple(tensor.shape), tensor.dtype) for name, tensor in zip(input_names, inputs))
+        signature = _signature(input_names, inputs, constants)
         entry = self._signatures.get(signature)
         if entry is None:
-            entry = self._signatures[signature] = self._add(input_names, inputs)
+            entry = self._signatures[signature] = self._add(input_names, inputs, constants)
         elif entry[1] is not None and entry[1].done(self._source, input_names, inputs):
             entry[1] = None
         self._graphs.move_to_end(entry[0].structure)
+        self.model_desc = entry[0].desc
         return entry[0].runtime
 
-    def _add(self, input_names, inputs) -> list:
-        """Export at this batch; reuse the built graph it equals, or build one over the same weights."""
+    def _add(self, input_names, inputs, constants) -> list:
+        """Export at this batch and constants; reuse the built graph it equals, or build one over the same weights."""
         model, loss_fn, options, model_desc = self._given
         if self._source is None:
             self._source = build.TorchSource(model, loss_fn, input_names, options, model_desc)
         shared = next(reversed(self._graphs.values())).runtime if self._graphs else None
         if shared is not None:
             self._source.load_weights(shared.weights)
-        exported = self._source.export(input_names, inputs)
+        exported = self._source.export(input_names, inputs, constants)
         structure = _structure(exported.onnx_model, exported.state)
         graph = self._graphs.get(structure)
         if graph is None:
             runtime = build.from_torch(self._source, exported, *self._where, shared=shared)
             runtime.check_export()
-            graph = self._graphs[structure] = _Graph(runtime, structure)
+            desc = runtime.model_desc if model_desc is not None else _any_size(runtime.model_desc)
+            graph = self._graphs[structure] = _Graph(runtime, structure, desc)
             self.built += 1
-            if self.model_desc is None:
-                self.model_desc = runtime.model_desc if model_desc is not None else _any_size(runtime.model_desc)
             self._drop_least_recently_used()
         return [graph, _ValuesCheck(exported, structure) if exported.frozen_values else None]
 
@@ -118,6 +123,13 @@ class GraphCache:
                 f"build each), at most {MAX_GRAPHS} kept; pad batches to a few fixed lengths (e.g. a tokenizer's "
                 "pad_to_multiple_of=8) so that fewer graphs are built"
             )
+
+
+def _signature(input_names, inputs, constants) -> tuple:
+    """What decides the graph of a batch: each input's name, shape and dtype; each constant's name, type
+    and repr (True, 1 and 1.0 are equal in Python but not to the trace; repr makes a NaN equal itself)."""
+    tensors = tuple((name, tuple(tensor.shape), tensor.dtype) for name, tensor in zip(input_names, inputs))
+    return tensors, tuple(sorted((name, type(value), repr(value)) for name, value in constants.items()))
 
 
 def _structure(model: onnx.ModelProto, state: dict) -> bytes:

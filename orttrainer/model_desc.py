@@ -3,11 +3,14 @@
 The legacy form is a dict ``{"inputs": [(name, shape)], "outputs": [(name, shape[, is_loss])]}``
 where a string in a shape is a symbolic (dynamic) dimension. When the user gives no
 model_desc, one is inferred from the first batch and ``forward``'s signature.
-``match_inputs`` maps the arguments of a step to the graph's inputs, checked against it.
+``match_inputs`` maps the arguments of a step to the graph's inputs, checked against it, and
+sets apart the step's constants: keyword arguments that are Python values (``return_loss=True``),
+which go to ``forward`` as they are and are part of the traced graph, not inputs of it.
 """
 
 import functools
 import inspect
+import typing
 from collections import namedtuple
 from collections.abc import Mapping
 
@@ -22,6 +25,9 @@ OutputDescriptionTyped = namedtuple("OutputDescriptionTyped", ["name", "shape", 
 
 LABEL_NAME = "label"
 _BY_KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+# a step's keyword argument of one of these types is a constant of forward's trace, not a graph input
+_CONSTANT_TYPES = (bool, int, float, str, type(None))
+_UNPACK = getattr(typing, "Unpack", None)  # Python 3.11+: **kwargs: Unpack[SomeTypedDict]
 
 
 def _shape_errors(shape):
@@ -136,6 +142,29 @@ def _parameters_after_self(function) -> dict:
     return dict(list(inspect.signature(function).parameters.items())[1:])
 
 
+def forward_keywords(model: torch.nn.Module) -> list:
+    """The names ``model.forward`` takes by keyword: its named parameters, then the keys of the TypedDict its
+    ``**kwargs`` is annotated with (transformers' ``**kwargs: Unpack[TransformersKwargs]``: output_hidden_states, ...)."""
+    parameters = forward_parameters(model)
+    named = [name for name, parameter in parameters.items() if parameter.kind in _BY_KEYWORD]
+    return named + [name for name in _typed_keywords(parameters) if name not in named]
+
+
+def _typed_keywords(parameters: dict) -> list:
+    """The keys of the TypedDict in ``**kwargs: typing.Unpack[TypedDict]``; none for a ``**kwargs`` without one."""
+    for parameter in parameters.values():
+        unpacked = _UNPACK is not None and typing.get_origin(parameter.annotation) is _UNPACK
+        if parameter.kind == inspect.Parameter.VAR_KEYWORD and unpacked:
+            typed_dict = typing.get_args(parameter.annotation)[0]
+            return list(typed_dict.__annotations__) if typing.is_typeddict(typed_dict) else []
+    return []
+
+
+def _is_constant(value) -> bool:
+    """Whether a step's keyword argument goes to forward as a constant: a bool, int, float, str or None."""
+    return type(value) in _CONSTANT_TYPES
+
+
 def forward_input_names(model: torch.nn.Module, positional_count: int):
     """Names of ``model.forward``'s first ``positional_count`` parameters."""
     parameters = [
@@ -172,7 +201,7 @@ def infer_model_desc(input_names, inputs, sample_outputs, form) -> _ORTTrainerMo
 
 
 def match_inputs(args, kwargs, model_desc=None, model=None, has_label=False):
-    """The batch given to ``train_step``/``eval_step`` as (graph input names, tensors), checked.
+    """The batch given to ``train_step``/``eval_step`` as (graph input names, tensors, constants), checked.
 
     A single list or tuple stands for the positional inputs, a single dict (any mapping, such as a
     Hugging Face data collator's batch) for the keyword inputs. With the user's model_desc:
@@ -180,23 +209,29 @@ def match_inputs(args, kwargs, model_desc=None, model=None, has_label=False):
     the first batch): inputs named by ``model.forward``'s parameters, in their order, with
     ``has_label`` (a loss_fn is set) the label, last positional or keyword 'label', last; every
     batch must have the first batch's names. Each input of the model_desc's rank, sizes and dtype.
+
+    ``constants`` ({name: value}) are the keyword arguments that are bool, int, float, str or None
+    (``_is_constant``; a tensor keyword is an input, anything else is refused): each must be a keyword of
+    ``forward`` (``forward_keywords``), which gets it as it is. With the user's model_desc, only keywords
+    it does not name are constants; an ONNX model (``model`` None) takes none.
     """
     args, kwargs = _positional_and_keywords(args, kwargs)
     if model is not None and (model_desc is None or model_desc.form is not None):
-        names, tensors = _named_by_forward(model, args, kwargs, has_label)
+        names, tensors, constants = _named_by_forward(model, args, kwargs, has_label)
         if model_desc is not None:
             _check_same_names(model_desc.inputs, names)
     else:
-        names, tensors = _in_desc_order(model_desc.inputs, args, kwargs)
+        names, tensors, constants = _in_desc_order(model_desc.inputs, args, kwargs, model)
     for name, tensor in zip(names, tensors):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(
-                f"input '{name}' must be a torch.Tensor, got {type(tensor).__name__}: every argument of a step is a graph "
-                "input; fix a flag such as return_loss=True in the module instead (a wrapper whose forward passes it)"
+                f"input '{name}' must be a torch.Tensor, got {type(tensor).__name__}: the graph's inputs are tensors, and "
+                "only a keyword argument that is a bool, int, float, str or None (and not a model_desc input) goes to "
+                "forward as a constant; pass the tensors of a list or dict as inputs of their own"
             )
     if model_desc is not None:  # an inferred one (form set) names sizes after the first batch, and ties none of them
         _check_against_entries(model_desc.inputs, tensors, same_names_same_size=model_desc.form is None)
-    return names, tensors
+    return names, tensors, constants
 
 
 def _positional_and_keywords(args, kwargs):
@@ -209,15 +244,23 @@ def _positional_and_keywords(args, kwargs):
     return args, kwargs
 
 
-def _in_desc_order(entries, args, kwargs):
+def _in_desc_order(entries, args, kwargs, model):
     names = [entry.name for entry in entries]
-    unknown = [name for name in kwargs if name not in names]
+    constants = {key: value for key, value in kwargs.items() if key not in names and _is_constant(value)}
+    unknown = [name for name in kwargs if name not in names and name not in constants]
     if unknown:
         raise ValueError(f"unknown keyword inputs {unknown}; model_desc inputs are {names}")
+    if constants and model is None:
+        raise ValueError(
+            f"keyword inputs {list(constants)} are Python values, which go to a torch module's forward as constants; "
+            f"an ONNX model takes only its model_desc inputs {names}, as tensors"
+        )
+    if constants:
+        _refuse_unknown_keys(model, list(constants), forward_keywords(model))
     tensors = list(args) + [kwargs[name] for name in names if name in kwargs]
     if len(tensors) != len(names):
         raise ValueError(f"expected {len(names)} inputs {names}, got {len(tensors)}")
-    return names, tensors
+    return names, tensors, constants
 
 
 def _named_by_forward(model, args, kwargs, has_label):
@@ -231,20 +274,28 @@ def _named_by_forward(model, args, kwargs, has_label):
         else:
             raise ValueError(f"a loss_fn is set, so the batch needs a label: the last positional input or '{LABEL_NAME}='")
     positional = forward_input_names(model, len(args))
-    parameters = forward_parameters(model)
-    by_keyword = [name for name, parameter in parameters.items() if parameter.kind in _BY_KEYWORD]
-    unknown = [key for key in kwargs if key not in by_keyword]
-    if unknown:
-        raise ValueError(
-            f"batch keys {unknown} are not parameters of {type(model).__name__}.forward, which takes {by_keyword}"
-            + (" (a key that only **kwargs would take is refused: a misspelt key would be silently ignored)"
-               if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values()) else "")
-        )  # fmt: skip
+    by_keyword = forward_keywords(model)
+    _refuse_unknown_keys(model, list(kwargs), by_keyword)
     twice = [key for key in kwargs if key in positional]
     if twice:
         raise ValueError(f"inputs {twice} are given both positionally and by keyword")
-    keywords = [name for name in by_keyword if name in kwargs]  # forward's order: the same graph for any key order
-    return positional + keywords + [LABEL_NAME] * len(label), list(args) + [kwargs[name] for name in keywords] + label
+    given = [name for name in by_keyword if name in kwargs]  # forward's order: the same graph for any key order
+    constants = {name: kwargs[name] for name in given if _is_constant(kwargs[name])}
+    keywords = [name for name in given if name not in constants]
+    names = positional + keywords + [LABEL_NAME] * len(label)
+    return names, list(args) + [kwargs[name] for name in keywords] + label, constants
+
+
+def _refuse_unknown_keys(model, keys, by_keyword) -> None:
+    """Every key must be one of ``by_keyword`` (``forward_keywords``), else ValueError naming them."""
+    unknown = [key for key in keys if key not in by_keyword]
+    if unknown:
+        takes_any = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in forward_parameters(model).values())
+        raise ValueError(
+            f"batch keys {unknown} are not parameters of {type(model).__name__}.forward, which takes {by_keyword}"
+            + (" (a key that only **kwargs would take is refused: a misspelt key would be silently ignored)"
+               if takes_any else "")
+        )  # fmt: skip
 
 
 def _check_same_names(entries, names):

@@ -8,9 +8,11 @@ ModelOutput class (``.loss``, ``.logits`` ...) or dict; a tensor or tuple gives 
 
 The rules (README "Hugging Face models", docs/legacy_api.md §3): a field that is None is absent (as
 ModelOutput leaves it out); a tuple of tensors (``hidden_states``, ``attentions``) becomes
-one graph output per tensor, ``<field>.<index>``, and a tuple again; ``past_key_values``,
+one graph output per tensor, ``<field>.<index>``, and a tuple again; a ModelOutput or dict
+inside the ModelOutput (CLIP's ``text_model_output``) becomes one graph output per tensor,
+``<field>.<subfield>``, under the same rules, and its own class again; ``past_key_values``,
 the cache that generation reads and a training step does not, is left out; any other value
-is refused, naming the field.
+is refused, naming the field by its dotted name.
 """
 
 import dataclasses
@@ -27,7 +29,9 @@ class OutputForm:
 
     ``mapping_type`` is the ModelOutput class or ``dict`` the model returned, None for a
     tensor or tuple (or when a loss_fn computes the loss): then outputs come back as the
-    legacy list. ``fields`` are (key, tuple length or None for a tensor) in the model's order.
+    legacy list. ``fields`` are (key, kind) in the model's order, ``kind`` saying what the field
+    holds: None a tensor, an int a tuple of that many tensors, an OutputForm a nested
+    ModelOutput or dict.
     """
 
     def __init__(self, mapping_type, fields):
@@ -37,18 +41,18 @@ class OutputForm:
     def names(self) -> list:
         """The graph's output names: the loss first, then the other outputs in the model's order."""
         loss_first = sorted(self.fields, key=lambda field: field[0] != LOSS_NAME)  # a stable sort
-        return [name for key, length in loss_first for name in _field_names(key, length)]
+        return [name for key, kind in loss_first for name in _field_names(key, kind)]
 
     def pack(self, outputs: list):
         """``outputs`` (one per name, in ``names`` order) in the model's form: its ModelOutput
         class or a dict; the legacy list (a single tensor bare) for a tensor or tuple."""
         if self.mapping_type is None:
             return as_list(outputs)
-        by_name = dict(zip(self.names, outputs))
-        fields = {
-            key: by_name[key] if length is None else tuple(by_name[name] for name in _field_names(key, length))
-            for key, length in self.fields
-        }
+        return self._packed(dict(zip(self.names, outputs)), prefix="")
+
+    def _packed(self, by_name: dict, prefix: str):
+        """This form's mapping, its tensors taken from ``by_name`` under ``prefix`` + field name."""
+        fields = {key: _packed_field(by_name, prefix + key, kind) for key, kind in self.fields}
         return self.mapping_type(**fields) if dataclasses.is_dataclass(self.mapping_type) else dict(fields)
 
 
@@ -57,8 +61,22 @@ def as_list(outputs: list):
     return outputs[0] if len(outputs) == 1 else list(outputs)
 
 
-def _field_names(key, length) -> list:
-    return [key] if length is None else [f"{key}.{index}" for index in range(length)]
+def _field_names(key, kind) -> list:
+    """The graph output names of one field: ``key``, ``key.<index>`` of a tuple, ``key.<subfield>`` of a mapping."""
+    if kind is None:
+        return [key]
+    if isinstance(kind, OutputForm):
+        return [f"{key}.{name}" for subkey, subkind in kind.fields for name in _field_names(subkey, subkind)]
+    return [f"{key}.{index}" for index in range(kind)]
+
+
+def _packed_field(by_name: dict, name: str, kind):
+    """The value of the field named ``name`` (dotted from the top), of ``kind`` (OutputForm.fields)."""
+    if kind is None:
+        return by_name[name]
+    if isinstance(kind, OutputForm):
+        return kind._packed(by_name, prefix=name + ".")
+    return tuple(by_name[f"{name}.{index}"] for index in range(kind))
 
 
 def flatten(outputs, model_name: str, loss=None):
@@ -80,50 +98,50 @@ def flatten(outputs, model_name: str, loss=None):
 
 
 def _flatten_mapping(outputs, model_name, loss):
-    kept = {key: _checked_field(key, value, model_name) for key, value in outputs.items()
-            if value is not None and key != GENERATION_CACHE}  # fmt: skip
-    if loss is None and not isinstance(kept.get(LOSS_NAME), torch.Tensor):
+    form, named = _mapping_form(outputs, model_name, prefix="")
+    keys = [key for key, _ in form.fields]
+    if loss is None and (LOSS_NAME, None) not in form.fields:
         raise ValueError(
-            f"{model_name} returned {type(outputs).__name__} without a '{LOSS_NAME}' (its outputs: {list(kept)}) and no "
+            f"{model_name} returned {type(outputs).__name__} without a '{LOSS_NAME}' (its outputs: {keys}) and no "
             f"loss_fn was given: put the labels in the batch (e.g. labels=...) so that the model computes its loss, "
             "or pass loss_fn"
         )
-    if loss is not None and LOSS_NAME in kept:
+    if loss is not None and LOSS_NAME in keys:
         raise ValueError(
             f"{model_name} computed its own '{LOSS_NAME}' and a loss_fn is given too: drop the labels from the batch, "
             "or pass loss_fn=None to train on the model's loss"
         )
-    fields = [(key, len(value) if isinstance(value, tuple) else None) for key, value in kept.items()]
     if loss is not None:
-        kept = {LOSS_NAME: loss, **kept}
-        form = OutputForm(None, [(LOSS_NAME, None)] + fields)
-    else:
-        form = OutputForm(type(outputs) if dataclasses.is_dataclass(outputs) else dict, fields)
-    by_name = dict(pair for key, value in kept.items() for pair in _named_tensors(key, value))
+        form, named = OutputForm(None, [(LOSS_NAME, None)] + form.fields), [(LOSS_NAME, loss)] + named
+    by_name = dict(named)
     return [by_name[name] for name in form.names], form
 
 
-def _named_tensors(key, value) -> list:
-    """(graph output name, tensor) of one field: ``key``, or ``key.<index>`` for each tensor of a tuple."""
-    if isinstance(value, tuple):
-        return [(f"{key}.{index}", tensor) for index, tensor in enumerate(value)]
-    return [(key, value)]
+def _mapping_form(mapping, model_name, prefix):
+    """(OutputForm, [(graph output name, tensor)]) of a ModelOutput or dict whose fields are named
+    ``prefix`` + key: None fields and the generation cache left out, the others checked (``_field``)."""
+    fields, named = [], []
+    for key, value in mapping.items():
+        if value is None or key == GENERATION_CACHE:
+            continue
+        kind, tensors = _field(prefix + key, value, model_name)
+        fields.append((key, kind))
+        named += tensors
+    mapping_type = type(mapping) if dataclasses.is_dataclass(mapping) else dict
+    return OutputForm(mapping_type, fields), named
 
 
-def _checked_field(key, value, model_name):
-    """A tensor, or a tuple of tensors as a tuple; anything else is refused."""
+def _field(name, value, model_name):
+    """(kind, [(graph output name, tensor)]) of the field ``name``: a tensor, a tuple of tensors, or a
+    ModelOutput/dict of these (its fields named ``name.<key>``); anything else is refused."""
     if isinstance(value, torch.Tensor):
-        return value
+        return None, [(name, value)]
     if isinstance(value, (tuple, list)) and value and all(isinstance(item, torch.Tensor) for item in value):
-        return tuple(value)
+        return len(value), [(f"{name}.{index}", tensor) for index, tensor in enumerate(value)]
     if isinstance(value, Mapping):
-        raise TypeError(
-            f"{model_name}.forward returned '{key}' as a {type(value).__name__}, a ModelOutput inside the ModelOutput (CLIP's "
-            "text_model_output); the graph can only return tensors and tuples of tensors: wrap the model in a module whose "
-            "forward returns the fields you need"
-        )
+        return _mapping_form(value, model_name, prefix=name + ".")
     raise TypeError(
-        f"{model_name}.forward returned '{key}' as a {type(value).__name__}; the graph can only return tensors and "
-        f"tuples of tensors (None and '{GENERATION_CACHE}' are left out). Turn off what produces it (e.g. "
-        "config.use_cache=False, output_attentions=False), or return a tensor"
+        f"{model_name}.forward returned '{name}' as a {type(value).__name__}; the graph can only return tensors, "
+        f"tuples of tensors and ModelOutputs or dicts of these (None and '{GENERATION_CACHE}' are left out). Turn off "
+        "what produces it (e.g. config.use_cache=False, output_attentions=False), or return a tensor"
     )

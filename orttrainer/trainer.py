@@ -145,22 +145,25 @@ class ORTTrainer:
     # --------------------------------------------------------- initialization
     def _ensure_initialized(self, args, kwargs):
         """The batch on the device, matched to the graph's inputs and checked; a torch model runs the
-        graph of the batch's shape signature (graph_cache.py: the first batch of one exports and may build)."""
-        input_names, inputs = self._match_inputs(args, kwargs)
+        graph of the batch's signature, its shapes and constants (graph_cache.py: the first batch of one
+        exports and may build), and the trainer's model_desc becomes that graph's."""
+        input_names, inputs, constants = self._match_inputs(args, kwargs)
         if self._graphs is not None:
-            runtime = self._graphs.runtime_for(input_names, inputs)
+            runtime = self._graphs.runtime_for(input_names, inputs, constants)
             if self._runtime is None:
                 self._adopt(runtime)
-                input_names, inputs = self._match_inputs(args, kwargs)  # now checked against the typed model_desc
+                input_names, inputs, _ = self._match_inputs(args, kwargs)  # now checked against the typed model_desc
             elif runtime is not self._runtime:
-                self._runtime = runtime
+                self._runtime, self.model_desc = runtime, self._graphs.model_desc
                 self._gradients.attach(runtime)
         self._runtime.check_batch(inputs)
         return inputs
 
     def _match_inputs(self, args, kwargs):
-        names, tensors = match_inputs(args, kwargs, self.model_desc, self._torch_model, has_label=self.loss_fn is not None)
-        return names, [tensor.to(self._device).contiguous() for tensor in tensors]
+        """(graph input names, tensors on the device, constants) of a step's arguments (model_desc.match_inputs)."""
+        names, tensors, constants = match_inputs(args, kwargs, self.model_desc, self._torch_model,
+                                                 has_label=self.loss_fn is not None)  # fmt: skip
+        return names, [tensor.to(self._device).contiguous() for tensor in tensors], constants
 
     def _adopt(self, runtime):
         """Take a built runtime: gradient buffers and the optimizer of the weights this rank updates
@@ -228,7 +231,7 @@ class ORTTrainer:
         output_names = [entry.name for entry in self.model_desc.outputs]
         run_torch = functools.partial(verify.torch_step, reference.module, self.loss_fn, reference.forward_names, inputs,
                                       output_names=output_names, loss_name=self.model_desc.loss_output.name,
-                                      trained=list(self._gradients.sums))  # fmt: skip
+                                      trained=list(self._gradients.sums), constants=reference.constants)  # fmt: skip
         torch_result = reference.step_on(runtime.weights, run_torch)
         bound_before = self._gradients.bound
         gradients = {name: torch.empty_like(grad) for name, grad in self._gradients.sums.items()}

@@ -81,16 +81,18 @@ class StepResult:
     buffers: dict = field(default_factory=dict)  # buffer name -> value after the step
 
 
-def torch_step(module, loss_fn, forward_names, inputs, weights: dict, output_names, loss_name, trained) -> StepResult:
+def torch_step(module, loss_fn, forward_names, inputs, weights: dict, output_names, loss_name, trained,
+               constants=None) -> StepResult:  # fmt: skip
     """Forward + loss + backward of a copy of ``module`` holding ``weights``, dropout off.
 
     ``output_names`` name the outputs of model + loss in order; ``trained`` are the weights
-    whose gradients are compared (a weight torch leaves without gradient counts as zero).
+    whose gradients are compared (a weight torch leaves without gradient counts as zero);
+    ``constants`` are the step's keywords that forward gets as they are (``return_loss=True``).
     """
     module = copy.deepcopy(module)
     module.load_state_dict({name: tensor.detach().cpu() for name, tensor in weights.items()}, strict=False)
     _without_activation_checkpointing(module)
-    wrapper = export.with_loss(module, loss_fn, forward_names)
+    wrapper = export.with_loss(module, loss_fn, forward_names, constants)
     with torch.enable_grad(), _NoDropout():
         outputs = wrapper(*[tensor.cpu() for tensor in inputs])
     outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
@@ -130,6 +132,7 @@ class Reference:
 
     module: torch.nn.Module
     forward_names: list
+    constants: dict  # the step's constants the graph was exported with
     step: StepResult
     digests: dict  # name -> weight_digest of the tensor the step ran with
 

@@ -1,5 +1,6 @@
 """Models as Hugging Face users have them: forward by keyword, labels in the batch, the loss computed
-by the model, a ModelOutput (or dict) returned; no loss_fn, no model_desc.
+by the model, a ModelOutput (or dict) returned; no loss_fn, no model_desc; flags such as
+output_hidden_states=True passed to the step as Python values (constants of the graph).
 
 The Hugging Face models are tiny random-init configs (hidden 32, 2 layers, 2 heads, vocab 100,
 every dropout 0), trained at one batch shape. Models written here return dicts, to test the output
@@ -8,6 +9,7 @@ rules (model_outputs.py) without transformers.
 
 import copy
 
+import onnxruntime
 import pytest
 import torch
 import torch.nn as nn
@@ -231,13 +233,22 @@ def test_dict_comes_back_as_a_dict_with_tuples_and_forward_defaults_kept():
 
 
 def test_a_legacy_model_desc_gets_the_legacy_list():
+    """Constants are the keywords the model_desc does not list; those it lists are tensors."""
     torch.manual_seed(0)
     desc = {"inputs": [("input_ids", ["batch", 5]), ("attention_mask", ["batch", 5]), ("labels", ["batch", 5])],
             "outputs": [("loss", [], True), ("logits", ["batch", 5, 3]), ("first", ["batch", 5, 16]),
                         ("second", ["batch", 5, 16])]}  # fmt: skip
-    trainer = ORTTrainer(Tagger(), desc, optim.SGDConfig(lr=LR), options=cpu_options())
-    outputs = trainer.train_step(_tagger_batch(torch.Generator().manual_seed(1)))
+    model = Tagger()
+    reference = copy.deepcopy(model).eval()
+    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=LR), options=cpu_options())
+    batch = _tagger_batch(torch.Generator().manual_seed(1))
+    _close(trainer.eval_step(*batch.values(), scale=3.0)[0], reference(**batch, scale=3.0)["loss"], "scale=3.0")
+    outputs = trainer.train_step(batch)
     assert isinstance(outputs, list) and [tuple(output.shape) for output in outputs] == [(), (4, 5, 3), (4, 5, 16), (4, 5, 16)]
+    with pytest.raises(TypeError, match=r"input 'labels' must be a torch.Tensor, got NoneType: .*not a model_desc input"):
+        trainer.eval_step(batch["input_ids"], batch["attention_mask"], labels=None)
+    with pytest.raises(ValueError, match=r"batch keys \['scael'\] are not parameters of Tagger.forward"):
+        trainer.eval_step(*batch.values(), scael=3.0)
 
 
 class TupleTagger(Tagger):
@@ -253,9 +264,9 @@ class TupleTagger(Tagger):
     [(Tagger(extra={"count": 3}), r"Tagger.forward returned 'count' as a int; the graph can only return tensors"),
      (Tagger(extra={"hidden_states": (torch.ones(1), None)}), r"Tagger.forward returned 'hidden_states' as a tuple"),
      (TupleTagger(), r"TupleTagger.forward returned a object as output \[2\].*config.use_cache=False"),
-     (Tagger(extra={"text_output": {"last_hidden_state": torch.ones(1)}}),
-      r"Tagger.forward returned 'text_output' as a dict, a ModelOutput inside the ModelOutput .*wrap the model")],
-    ids=["int-field", "tuple-with-none", "object-in-tuple", "nested-output"],
+     (Tagger(extra={"text_output": {"count": 3}}), r"Tagger.forward returned 'text_output.count' as a int; the graph can "
+                                                   r"only return tensors, tuples of tensors and ModelOutputs or dicts")],
+    ids=["int-field", "tuple-with-none", "object-in-tuple", "int-in-nested-output"],
 )  # fmt: skip
 def test_an_output_that_is_not_a_tensor_is_refused_by_name(model, message):
     trainer = ORTTrainer(model, None, optim.SGDConfig(lr=LR), options=cpu_options())
@@ -263,11 +274,135 @@ def test_an_output_that_is_not_a_tensor_is_refused_by_name(model, message):
         trainer.train_step(_tagger_batch(torch.Generator().manual_seed(1)))
 
 
-def test_a_flag_passed_to_a_step_is_refused_with_what_to_do():
-    """CLIP computes its loss only with return_loss=True; a step's arguments are graph inputs, so tensors."""
+class NestedTagger(Tagger):
+    """Returns a dict inside its dict, as CLIP returns each tower's ModelOutput inside its CLIPOutput."""
+
+    def forward(self, input_ids, attention_mask=None, labels=None, scale=2.0):
+        outputs = super().forward(input_ids, attention_mask, labels, scale)
+        encoder = {"hidden_states": outputs["hidden_states"], "attentions": None, "last_hidden_state": outputs["hidden_states"][1]}
+        return {"loss": outputs["loss"], "encoder": encoder, "logits": outputs["logits"]}
+
+
+def test_a_dict_inside_the_dict_comes_back_nested():
+    """Its tensors are graph outputs '<field>.<subfield>' (a tuple in it '<field>.<subfield>.<index>'), None left out."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    model = NestedTagger()
+    reference = copy.deepcopy(model)
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=LR), options=cpu_options())
+    batch = _tagger_batch(generator)
+    outputs = trainer.train_step(batch)
+    expected = reference(**batch)
+    assert [entry.name for entry in trainer.model_desc.outputs] == [
+        "loss", "encoder.hidden_states.0", "encoder.hidden_states.1", "encoder.last_hidden_state", "logits"]  # fmt: skip
+    assert list(outputs) == ["loss", "encoder", "logits"] and list(outputs["encoder"]) == ["hidden_states", "last_hidden_state"]
+    for index in (0, 1):
+        _close(outputs["encoder"]["hidden_states"][index], expected["encoder"]["hidden_states"][index], f"hidden_states[{index}]")
+    _close(outputs["encoder"]["last_hidden_state"], expected["encoder"]["last_hidden_state"], "last_hidden_state")
+    _close(outputs["loss"], expected["loss"], "loss")
+
+
+# ------------------------------------------------------------------ constants: Python values passed to a step
+class TensorScaleTagger(Tagger):
+    """Makes a tensor of its ``scale`` in forward: the trace freezes it (torch.tensor results are constants), so the
+    first batch of other values of each signature is exported once more (graph_cache._ValuesCheck)."""
+
+    def forward(self, input_ids, attention_mask=None, labels=None, scale=2.0):
+        return super().forward(input_ids, attention_mask, labels, torch.tensor(scale))
+
+
+def test_a_constant_passed_to_a_step_goes_to_forward_and_chooses_the_graph(tmp_path):
+    """scale=3.0 then 2.0, 3 (an int) and 3.0 again: each step, eval_step and save_as_onnx equal torch with that
+    value (the first-step check and the values check run with it too); a value seen before reuses its graph; the
+    batch the user passed is not changed."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    model = TensorScaleTagger()
+    reference = copy.deepcopy(model)
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=LR), options=cpu_options())
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    for step, scale in enumerate((3.0, 3.0, 2.0, 3, 3.0), 1):
+        batch = {**_tagger_batch(generator), "scale": scale}
+        given = dict(batch)
+        outputs = trainer.train_step(batch)
+        assert batch.keys() == given.keys() and all(batch[key] is given[key] for key in given)
+        expected = reference(**batch)
+        expected["loss"].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        for name in ("loss", "logits"):
+            _close(outputs[name], expected[name], f"step {step} (scale={scale!r}) {name}")
+        assert_close_state(trainer, reference, step=step)
+    assert len(trainer._graphs._signatures) == 3 and trainer._graphs.built == 2  # 3 apart from 3.0: the same graph
+
+    reference.eval()
+    with torch.no_grad():
+        _close(trainer.eval_step(**batch)["logits"], reference(**batch)["logits"], "eval_step at scale 3.0")
+        _close(trainer.eval_step(batch)["loss"], reference(**batch)["loss"], "eval_step loss")
+        trainer.eval_step({**batch, "scale": 2.0})  # the graph of 2.0: save_as_onnx writes the last batch's
+        trainer.save_as_onnx(str(tmp_path / "tagger.onnx"), with_loss=False)
+        session = onnxruntime.InferenceSession(str(tmp_path / "tagger.onnx"), providers=["CPUExecutionProvider"])
+        feeds = {entry.name: batch[entry.name].numpy() for entry in session.get_inputs()}
+        _close(torch.from_numpy(session.run(["logits"], feeds)[0]), reference(**{**batch, "scale": 2.0})["logits"], "ONNX")
+
+
+def test_output_hidden_states_changed_between_steps_gives_what_torch_gives():
+    """A transformers flag (forward's **kwargs: Unpack[TransformersKwargs]) that changes the outputs: False, True, False."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    model = _transformers().BertForSequenceClassification(_bert_config(num_labels=3))
+    reference = copy.deepcopy(model)
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=LR), options=cpu_options())
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    for step, hidden in enumerate((False, True, False), 1):
+        batch = classification_batch(generator)
+        outputs = trainer.train_step(**batch, output_hidden_states=hidden)
+        expected = reference(**batch, output_hidden_states=hidden)
+        expected.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        _compare_outputs(outputs, expected, f"train_step {step} (output_hidden_states={hidden})")
+        assert ("hidden_states.0" in [entry.name for entry in trainer.model_desc.outputs]) is hidden
+        assert_close_state(trainer, reference, step=step)
+    assert trainer._graphs.built == 2
+    reference.eval()
+    with torch.no_grad():
+        _compare_outputs(trainer.eval_step(**batch, output_hidden_states=True), reference(**batch, output_hidden_states=True),
+                         "eval_step")  # fmt: skip
+
+
+class TwoHeadTagger(Tagger):
+    """Its ``head`` keyword picks the head: another value trains other weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.other_head = nn.Linear(16, 3)
+
+    def forward(self, input_ids, labels=None, head="head"):
+        logits = getattr(self, head)(torch.tanh(self.layer(self.embedding(input_ids))))
+        return {"loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten()), "logits": logits}
+
+
+def test_a_constant_that_switches_weights_is_refused():
+    """The trainer trains one set of weights for every graph (graph_cache.py)."""
+    trainer = ORTTrainer(TwoHeadTagger(), None, optim.SGDConfig(lr=LR), options=cpu_options())
+    batch = _tagger_batch(torch.Generator().manual_seed(1))
+    del batch["attention_mask"]
+    trainer.train_step(**batch, head="head")
+    with pytest.raises(NotImplementedError, match=r"uses other weights than the graph of earlier batches \(only here: "
+                                                  r"\['other_head.weight', 'other_head.bias'\]\).*on a value passed to "
+                                                  r"the step switches parameters"):
+        trainer.train_step(**batch, head="other_head")
+
+
+@pytest.mark.parametrize("value", [[3.0], (3.0,), {"value": 3.0}, torch.float16], ids=["list", "tuple", "dict", "dtype"])
+def test_a_keyword_that_is_neither_a_tensor_nor_a_constant_is_refused_by_name(value):
     trainer = ORTTrainer(Tagger(), None, optim.SGDConfig(lr=LR), options=cpu_options())
-    with pytest.raises(TypeError, match=r"input 'scale' must be a torch.Tensor, got float: .*return_loss=True in the module"):
-        trainer.train_step(**_tagger_batch(torch.Generator().manual_seed(1)), scale=3.0)
+    with pytest.raises(TypeError, match=rf"input 'scale' must be a torch.Tensor, got {type(value).__name__}: .*a keyword "
+                                        r"argument that is a bool, int, float, str or None .*goes to forward as a constant"):
+        trainer.train_step(**_tagger_batch(torch.Generator().manual_seed(1)), scale=value)
+    with pytest.raises(ValueError, match=r"batch keys \['scael'\] are not parameters of Tagger.forward"):
+        trainer.train_step(**_tagger_batch(torch.Generator().manual_seed(1)), scael=3.0)
 
 
 class TrainingOnlyOutput(Tagger):

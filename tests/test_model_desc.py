@@ -8,7 +8,7 @@ from parity import cpu_options, run_parity
 from zoo import BagOfWordsClassifier
 
 from orttrainer import ORTTrainer, optim
-from orttrainer.model_desc import _ORTTrainerModelDesc
+from orttrainer.model_desc import _ORTTrainerModelDesc, match_inputs
 
 
 def test_legacy_form_is_normalised():
@@ -103,3 +103,13 @@ def test_inferred_with_keyword_inputs_and_tuple_outputs():
     loss, value, logits = trainer.train_step(x=x, label=target)
     assert [entry.name for entry in trainer.model_desc.inputs] == ["x", "label"]
     assert value.shape == (8,) and logits.shape == (8, 4)
+
+
+def test_an_onnx_model_takes_no_constants():
+    """A Python value passed to a step goes to a torch module's forward; an ONNX model (no module) has none."""
+    desc = _ORTTrainerModelDesc({"inputs": [("x", ["batch", 32]), ("label", ["batch"])], "outputs": [("loss", [], True)]})
+    with pytest.raises(ValueError, match=r"keyword inputs \['scale'\] are Python values, .*an ONNX model takes only its "
+                                         r"model_desc inputs \['x', 'label'\], as tensors"):
+        match_inputs(mlp_batch(), {"scale": 2.0}, desc)
+    with pytest.raises(TypeError, match=r"input 'label' must be a torch.Tensor, got int"):
+        match_inputs((mlp_batch()[0],), {"label": 3}, desc)

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from models import CNN, MLP, NoGradTarget, StraightThrough, cnn_batch, mlp_batch
-from parity import cpu_options, run_parity
+from parity import assert_close_state, cpu_options, run_parity
 
 from orttrainer import GradientBuildError, ORTTrainer, ORTTrainerOptions, build, export, optim
 from orttrainer.export import ExportError
@@ -819,6 +819,24 @@ def test_values_computed_under_no_grad_in_forward_get_no_gradient_as_in_torch():
     data = [(torch.randn(5, 6, generator=generator) * 3, torch.randint(0, 4, (5,), generator=generator)) for _ in range(3)]
     run_parity(NoGradTarget(), data, optim.SGDConfig(lr=0.5), functools.partial(torch.optim.SGD, lr=0.5),
                loss_fn=F.cross_entropy, options=cpu_options())  # fmt: skip
+
+
+def test_a_graph_first_built_by_an_eval_step_under_no_grad_trains_as_torch():
+    """The export traces with autograd on whatever the caller's mode: under the caller's torch.no_grad() every
+    op would be recorded as detached (export._NoGradResultsDetached) and the graph would train nothing."""
+    torch.manual_seed(0)
+    model = MLP()
+    reference = copy.deepcopy(model)
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.5), loss_fn=F.cross_entropy, options=cpu_options())
+    x, y = mlp_batch(generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        trainer.eval_step(x, y)
+    loss = trainer.train_step(x, y)[0]
+    expected = F.cross_entropy(reference(x), y)
+    expected.backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    torch.testing.assert_close(loss, expected.detach(), atol=1e-5, rtol=1e-5)
+    assert_close_state(trainer, reference)
 
 
 

@@ -9,6 +9,7 @@ onnxruntime.InferenceSession giving the module's eval outputs.
 
 import copy
 import functools
+from collections.abc import Mapping
 
 import onnxruntime
 import pytest
@@ -88,13 +89,39 @@ def test_torch_model(tmp_path, name):
 
 
 # ------------------------------------------------------------------ Hugging Face
-def _same_type(outputs, expected, where):
-    assert type(outputs) is type(expected), f"{where} returned {type(outputs).__name__}, not {type(expected).__name__}"
+def _compare_outputs(outputs, expected, where):
+    """``outputs`` has ``expected``'s class and fields, each tensor close: a tuple of tensors a tuple again, a
+    ModelOutput inside the ModelOutput (CLIP's text_model_output) its own class again."""
+    assert type(outputs) is type(expected), f"{where} is {type(outputs).__name__}, not {type(expected).__name__}"
+    if isinstance(expected, Mapping):
+        assert list(outputs.keys()) == list(expected.keys()), f"{where}: fields {list(outputs.keys())}"
+        for key in expected.keys():
+            _compare_outputs(outputs[key], expected[key], f"{where}.{key}")
+    elif isinstance(expected, tuple):
+        assert len(outputs) == len(expected), f"{where}: {len(outputs)} tensors, not {len(expected)}"
+        for index, (mine, theirs) in enumerate(zip(outputs, expected)):
+            _close(mine, theirs, f"{where}.{index}")
+    else:
+        _close(outputs, expected, where)
+
+
+def _graph_outputs(outputs, prefix="") -> dict:
+    """{graph output name: tensor} of a ModelOutput: ``<field>``, ``<field>.<index>`` of a tuple,
+    ``<field>.<subfield>`` of a nested ModelOutput."""
+    named = {}
+    for key, value in outputs.items():
+        if isinstance(value, Mapping):
+            named.update(_graph_outputs(value, f"{prefix}{key}."))
+        elif isinstance(value, tuple):
+            named.update({f"{prefix}{key}.{index}": tensor for index, tensor in enumerate(value)})
+        else:
+            named[prefix + key] = value
+    return named
 
 
 def _check_hugging_face(tmp_path, model, batches, eval_batch):
-    """The HF user's loop: ``trainer.train_step(**batch)`` with labels in the batch, the model's own
-    loss, its ModelOutput back; against ``model(**batch).loss.backward()`` and torch SGD."""
+    """The HF user's loop: ``trainer.train_step(**batch)`` with labels (or return_loss=True) in the batch,
+    the model's own loss, its ModelOutput back; against ``model(**batch).loss.backward()`` and torch SGD."""
     model.train()
     reference = copy.deepcopy(model)
     trainer = ORTTrainer(model, None, optim.SGDConfig(lr=LR), options=cpu_options())
@@ -105,26 +132,21 @@ def _check_hugging_face(tmp_path, model, batches, eval_batch):
         expected.loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        _same_type(outputs, expected, "train_step")
-        for name, tensor in expected.items():  # the loss, the logits (start and end logits for question answering)
-            _close(outputs[name], tensor, f"{name} at step {step}")
+        _compare_outputs(outputs, expected, f"train_step {step}")
         assert_close_state(trainer, reference, step=step)
 
     reference.eval()
     with torch.no_grad():
         expected = reference(**eval_batch)
-    outputs = trainer.eval_step(**eval_batch)
-    _same_type(outputs, expected, "eval_step")
-    for name, tensor in expected.items():
-        _close(outputs[name], tensor, f"eval_step {name}")
+    _compare_outputs(trainer.eval_step(**eval_batch), expected, "eval_step")
 
     _loads_strictly(model, trainer, reference)
 
     for with_loss in (True, False):
         session = _onnx_session(trainer, tmp_path / f"model_{with_loss}.onnx", with_loss)
-        wanted = {name: tensor for name, tensor in expected.items() if with_loss or name != "loss"}
+        wanted = {name: tensor for name, tensor in _graph_outputs(expected).items() if with_loss or name != "loss"}
         assert [entry.name for entry in session.get_outputs()] == list(wanted)
-        feeds = {entry.name: eval_batch[entry.name].numpy() for entry in session.get_inputs()}
+        feeds = {entry.name: eval_batch[entry.name].numpy() for entry in session.get_inputs()}  # not return_loss
         for name, result in zip(wanted, session.run(None, feeds)):
             _close(result, wanted[name], f"ONNX (with_loss={with_loss}) {name}")
 

@@ -249,6 +249,7 @@ def vit_batch(batch, size=16, generator=None, classes=3):
     return {"pixel_values": images, "labels": torch.randint(0, classes, (batch,), generator=generator)}
 
 
+
 _ENCODER = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
             "intermediate_size": 37, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}  # fmt: skip
 
@@ -365,6 +366,21 @@ def vit_classifier():
     return transformers.ViTForImageClassification(config)
 
 
+def clip_model():
+    """CLIP: a text and a vision transformer, their pooled outputs projected and compared; CLIPOutput holds each
+    tower's BaseModelOutputWithPooling (nested ModelOutputs), and its loss pairs the batch's i-th caption and image."""
+    import transformers
+
+    tower = {"hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "attention_dropout": 0.0}  # fmt: skip
+    config = transformers.CLIPConfig(
+        text_config={**tower, "vocab_size": VOCAB, "max_position_embeddings": 16, "pad_token_id": 0, "bos_token_id": 1,
+                     "eos_token_id": 2},
+        vision_config={**tower, "image_size": 16, "patch_size": 8}, projection_dim=16,
+    )  # fmt: skip
+    return transformers.CLIPModel(config)
+
+
 def wav2vec2_audio_classifier():
     """Wav2Vec2 on raw audio: a strided Conv1d feature extractor with GroupNorm, a grouped positional
     convolution under weight norm, an attention encoder, mean pooling into a classifier. Its attention's
@@ -402,6 +418,13 @@ def speech_batch(batch, generator=None):
     return {"input_features": torch.randn(batch, 8, 32, generator=generator), "labels": labels}
 
 
+def image_text_batch(batch, longest, pad=0, generator=None, size=16):
+    """Captions (tokens and attention mask) with one image each, and return_loss=True: CLIP's contrastive loss, which
+    it computes only when asked (a constant of the step, not a tensor)."""
+    inputs = _text_batch(batch, longest, pad, generator)
+    return {**inputs, "pixel_values": torch.randn(batch, 3, size, size, generator=generator), "return_loss": True}
+
+
 def audio_batch(batch, samples=400, generator=None, classes=3):
     return {"input_values": torch.randn(batch, samples, generator=generator),
             "labels": torch.randint(0, classes, (batch,), generator=generator)}  # fmt: skip
@@ -411,7 +434,7 @@ def audio_batch(batch, samples=400, generator=None, classes=3):
 # name: (model factory, batch factory, what the batch factory's shape is). A batch factory takes
 # (batch,) for "images" and "audio" and (batch, padded length) for "tokens", then generator=. The torch
 # models return class scores for F.cross_entropy; the Hugging Face ones take the batch as
-# keywords, labels included, and return a ModelOutput with their own loss.
+# keywords, labels (or CLIP's return_loss=True) included, and return a ModelOutput with their own loss.
 TORCH_MODELS = {
     "resnet-basic-blocks-batchnorm": (ResNet, image_batch, "images"),
     "mobilenet-v3-depthwise-hardswish-squeeze-excite": (MobileNetV3, image_batch, "images"),
@@ -435,4 +458,5 @@ HUGGING_FACE_MODELS = {
     "whisper-speech-to-text": (whisper_speech_to_text, speech_batch, "audio"),
     "bloom-lm": (bloom_lm, causal_lm_batch, "tokens"),
     "efficientnet-image-classifier": (efficientnet_classifier, functools.partial(vit_batch, size=32), "images"),
+    "clip-contrastive-return-loss": (clip_model, image_text_batch, "tokens"),
 }
