@@ -335,6 +335,8 @@ def exact_quick_gelu_grad(build: NodeBuilder):
 
 
 _ABOVE_ANY_FLOAT = 1e300  # a float64 beyond every float32, below the largest float64
+_NAN_KEY = 1e301  # NaN's keys start above every other key
+_NAN_KEY_STEP = 1e290  # apart by more than float64's spacing there (2e285) for a tensor of up to 1e11 elements
 
 
 def exact_max_pool(build: NodeBuilder):
@@ -345,16 +347,20 @@ def exact_max_pool(build: NodeBuilder):
     it skips NaN (NaN and 1 give 1), and a window of values <= -FLT_MAX only (-inf, a NaN-only
     window) gives -FLT_MAX and an index outside it, where its MaxPoolGrad writes out of bounds and
     ``max_pool_grad``'s scatter to another element. Here the pool runs on float64 keys in torch's
-    order, every one above the lowest float64: NaN as +inf (above +inf, as torch lets NaN win), ±inf
-    as ±1e300; its index picks the value from x. Of several NaN in a window the first takes the
-    index where torch's takes the last (the value is NaN either way). Row-major indices only.
+    order, every one above the lowest float64: ±inf as ±1e300, NaN above them all, a later NaN (in
+    row-major order) above an earlier one, as torch lets every NaN it meets win; its index picks the
+    value from x. Row-major indices only.
     """
     if build.attribute("storage_order", 0) != 0:
         return False
     x = build.node.input[0]
     wide = build.op("Cast", [x], to=onnx.TensorProto.DOUBLE)
     bounded = build.op("Clip", [wide, build.const(-_ABOVE_ANY_FLOAT, np.float64), build.const(_ABOVE_ANY_FLOAT, np.float64)])
-    keys = build.op("Where", [build.op("IsNaN", [x]), build.const(np.inf, np.float64), bounded])
+    positions = build.op("Cast", [build.op("Range", [build.const(0, np.int64), build.op("Size", [x]), build.const(1, np.int64)])],
+                         to=onnx.TensorProto.DOUBLE)
+    nan_keys = build.op("Add", [build.op("Mul", [positions, build.const(_NAN_KEY_STEP, np.float64)]), build.const(_NAN_KEY, np.float64)])
+    nan_keys = build.op("Reshape", [nan_keys, build.op("Shape", [x])])
+    keys = build.op("Where", [build.op("IsNaN", [x]), nan_keys, bounded])
     outputs = list(build.node.output) + [""]
     indices = outputs[1] or build.fresh_name()
     attributes = node_attributes(build.node)

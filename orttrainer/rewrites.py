@@ -439,12 +439,16 @@ def instance_normalization(build):
     build.op("Add", [scaled, build.unsqueeze(bias, channel_axes)], _output(build))
 
 
-def _ceil_mode_extra(length: int, kernel: int, stride: int, before: int, after: int) -> int:
-    """Zeros to add after an axis so that a pooling Conv makes torch's ceil_mode output count: one more
-    window for a partial one at the end, unless that window would start in the end padding."""
+def _ceil_mode_count(length: int, kernel: int, stride: int, before: int, after: int) -> int:
+    """torch's ceil_mode output count over an axis: ONNX's, one more window for a partial one at the end, less
+    that window if it would start in the end padding (which ONNX's, and ONNX Runtime's kernel's, keeps)."""
     count = -(-(length + before + after - kernel) // stride) + 1
-    if (count - 1) * stride >= length + before:
-        count -= 1
+    return count - 1 if (count - 1) * stride >= length + before else count
+
+
+def _ceil_mode_extra(length: int, kernel: int, stride: int, before: int, after: int) -> int:
+    """Zeros to add after an axis so that a pooling Conv makes torch's ceil_mode output count."""
+    count = _ceil_mode_count(length, kernel, stride, before, after)
     return max((count - 1) * stride + kernel - (length + before + after), 0)
 
 
@@ -491,17 +495,59 @@ def average_pool(build):
     build.op("Div", [summed, counts], _output(build))
 
 
+def _drops_a_window(node: onnx.NodeProto, shapes: dict) -> bool:
+    """Whether torch makes fewer ceil_mode windows than this AveragePool's ONNX Runtime kernel (one that would start in
+    the end padding, e.g. size 4, kernel 2, stride 3, padding 1: 2 windows, not 3); False where sizes are unknown."""
+    kernel = list(node_attribute(node, "kernel_shape"))
+    dims = len(kernel)
+    lengths = (shapes.get(node.input[0]) or [None] * (dims + 2))[2:]
+    strides = list(node_attribute(node, "strides", [1] * dims))
+    pads = list(node_attribute(node, "pads", [0] * 2 * dims))
+    if node_attribute(node, "auto_pad", "NOTSET") != "NOTSET" or None in lengths:
+        return False
+    for length, size, stride, before, after in zip(lengths, kernel, strides, pads[:dims], pads[dims:]):
+        if _ceil_mode_count(length, size, stride, before, after) < -(-(length + before + after - size) // stride) + 1:
+            return True
+    return False
+
+
+def _declare_inferred_output_sizes(model: onnx.ModelProto) -> None:
+    """Give the graph outputs the sizes ONNX's shape inference finds now, where they declare other ones (the
+    exporter took them from ONNX's AveragePool, with the window torch drops)."""
+    structure = structure_for_inference(model)
+    for output in structure.graph.output:
+        output.type.tensor_type.ClearField("shape")
+    inferred = onnx.shape_inference.infer_shapes(structure, data_prop=True).graph.output
+    sizes = {output.name: [_symbolic_dim(dim) for dim in output.type.tensor_type.shape.dim] for output in inferred}
+    for output in model.graph.output:
+        dims, found = output.type.tensor_type.shape.dim, sizes.get(output.name)
+        if found and len(found) == len(dims):
+            for dim, size in zip(dims, found):
+                if dim.HasField("dim_value") and isinstance(size, int) and size != dim.dim_value:
+                    dim.dim_value = size
+
+
 def torch_average_pools(model: onnx.ModelProto) -> list:
-    """Replace, in place, each AveragePool with ceil_mode and count_include_pad by ``average_pool``; return their
-    names. ONNX Runtime's kernel divides a partial last window by the whole kernel, torch's by what it covers
-    of the input and its padding (nn.AvgPool2d(3, 2, ceil_mode=True) over 4x4: 4.33 where torch gives 6.5):
-    replaced in the exported forward, the eval graph and a saved model compute torch's values too. One whose
-    input sizes shape inference does not know stays (a training graph's build then names it)."""
-    targets = [node for node in model.graph.node if node.op_type == "AveragePool"
-               and node_attribute(node, "ceil_mode", 0) and node_attribute(node, "count_include_pad", 0)]  # fmt: skip
+    """Replace, in place, each AveragePool with ceil_mode and count_include_pad, or whose ceil_mode makes a window
+    torch does not (``_drops_a_window``), by ``average_pool``; return their names. ONNX Runtime's kernel divides a
+    partial last window by the whole kernel, torch's by what it covers of the input and its padding
+    (nn.AvgPool2d(3, 2, ceil_mode=True) over 4x4: 4.33 where torch gives 6.5), and makes a last window starting in
+    the end padding, which torch does not (nn.AvgPool2d(2, 3, 1, ceil_mode=True) over 4x4: 3x3 outputs, torch 2x2):
+    replaced in the exported forward, the eval graph and a saved model compute torch's values too, and the graph
+    outputs declare torch's sizes. One whose input sizes shape inference does not know stays (a training graph's
+    build then names it)."""
+    pools = [node for node in model.graph.node if node.op_type == "AveragePool" and node_attribute(node, "ceil_mode", 0)]
+    if not pools:
+        return []
+    shapes = static_shapes(model)
+    dropping = {node.name for node in pools if _drops_a_window(node, shapes)}
+    targets = [node for node in pools if node_attribute(node, "count_include_pad", 0) or node.name in dropping]
     if not targets:
         return []
-    return replace_nodes(model, {"AveragePool": average_pool}, targets, shapes=static_shapes(model), failed={})
+    rewritten = replace_nodes(model, {"AveragePool": average_pool}, targets, shapes=shapes, failed={})
+    if dropping & set(rewritten):
+        _declare_inferred_output_sizes(model)
+    return rewritten
 
 
 def depth_to_space(build):

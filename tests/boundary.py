@@ -7,10 +7,14 @@ float32; an element also passes when it equals torch's own float32 result, becau
 float32 and float64 kernels disagree in places (the gradient of ELU at NaN is 1 in
 float32, NaN in float64; asinh's gradient at 1e20 is 0 in float32, where x * x overflows).
 Loss = sum(outputs * upstream), so each input's gradient is the op's vector-Jacobian
-product with ``upstream``.
+product with ``upstream``. ``check_trainer_against_torch`` compares the same way through the
+public API: an ORTTrainer's eval_step, train_step and saved model, batch after batch.
 """
 
+import copy
+import inspect
 import io
+import os
 import warnings
 
 import numpy as np
@@ -19,7 +23,7 @@ import onnxruntime
 import torch
 from onnx import helper, numpy_helper
 
-from orttrainer import export, graph, symbolics
+from orttrainer import ORTTrainer, ORTTrainerOptions, export, graph, optim, symbolics
 
 FLOAT32 = np.finfo(np.float32)
 LOSS = "loss"
@@ -171,14 +175,98 @@ def check_against_torch(model, reference, values: dict, trainable, upstream, ulp
     derivative on their scalar one (ELU's is 1 on a tensor of 6 elements, NaN on one of 60).
     """
     results, train = run_training_graph(model, values, trainable)
-    expected, gradients = torch_reference(reference, values, upstream, trainable)
-    expected32, gradients32 = torch_reference(reference, values, upstream, trainable, torch.float32)
-    assert_like_torch(results["output"], expected, expected32, "value", ulps, floor, values[trainable[0]])
-    for name in trainable:
-        gradient = results[f"{name}_grad"].reshape(np.shape(gradients[name]))
-        assert_like_torch(gradient, gradients[name], gradients32[name], f"gradient of {name}", ulps, floor, values[name],
-                          np.isnan(np.asarray(values[name], np.float64)))  # fmt: skip
+    gradients = {name: results[f"{name}_grad"] for name in trainable}
+    assert_results_like_torch({"value": results["output"]}, gradients, reference, values, upstream, ulps, floor)
     return train
+
+
+def assert_results_like_torch(outputs: dict, gradients: dict, reference, values: dict, upstream, ulps=ULPS, floor=FLOOR):
+    """Each of ``outputs`` ({what: array}) is torch's ``reference(**values)``, each of ``gradients``
+    ({name: array}) torch's gradient of that value (at a NaN input itself not compared, see
+    ``check_against_torch``)."""
+    expected, expected_gradients = torch_reference(reference, values, upstream, list(gradients))
+    expected32, gradients32 = torch_reference(reference, values, upstream, list(gradients), torch.float32)
+    first = values[next(iter(gradients))] if gradients else None
+    for what, output in outputs.items():
+        assert_like_torch(output, expected, expected32, what, ulps, floor, first)
+    for name, gradient in gradients.items():
+        gradient = np.asarray(gradient).reshape(np.shape(expected_gradients[name]))
+        assert_like_torch(gradient, expected_gradients[name], gradients32[name], f"gradient of {name}", ulps, floor, values[name],
+                          np.isnan(np.asarray(values[name], np.float64)))  # fmt: skip
+
+
+class _Shifted(torch.nn.Module):
+    """``function(**batch, **weights)`` where each weight is a buffer, and each weight and each batch input in
+    ``shifted`` has a parameter of zeros subtracted (``x - 0`` keeps -0, NaN and the infinities)."""
+
+    def __init__(self, function, weights: dict, shifted: dict):
+        super().__init__()
+        self.function, self.weight_names, self.shifted = function, list(weights), list(shifted)
+        for name, value in weights.items():
+            self.register_buffer(name, torch.tensor(np.asarray(value)))
+        for name, shape in shifted.items():
+            self.register_parameter(f"{name}_shift", torch.nn.Parameter(torch.zeros(shape)))
+
+    def forward(self, **batch):
+        values = {**batch, **{name: getattr(self, name) for name in self.weight_names}}
+        return self.function(**{name: value - getattr(self, f"{name}_shift") if name in self.shifted else value
+                                for name, value in values.items()})  # fmt: skip
+
+
+def _shifted_module(function, batch_names, weights: dict, shifted: dict) -> torch.nn.Module:
+    """A ``_Shifted`` whose forward's parameters are ``batch_names`` (the trainer names the inputs after them)."""
+
+    def forward(self, **batch):
+        return _Shifted.forward(self, **batch)
+
+    parameters = ["self", *batch_names]
+    forward.__signature__ = inspect.Signature([inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in parameters])
+    return type("Shifted", (_Shifted,), {"forward": forward})(function, weights, shifted)
+
+
+def _weighted_sum(output, upstream):
+    return (output * upstream.reshape(output.shape)).sum()  # upstream flat: the label's rank does not follow the output's
+
+
+def check_trainer_against_torch(function, batches, weights: dict, differentiable=(), ulps=ULPS, floor=FLOOR, saved_to=None):
+    """Through the public API: an ORTTrainer trains ``function(**batch, **weights)`` with loss
+    sum(output * upstream); at each batch (a dict of arrays) the value of eval_step, of the model
+    saved by save_as_onnx (with ``saved_to``, a directory) and of train_step, and the gradient of
+    each weight and of each batch input in ``differentiable``, are compared with torch's in float64
+    (``assert_results_like_torch``). The weights are buffers, each with a parameter of zeros
+    subtracted, as are the ``differentiable`` inputs (whose shape is then the same in every batch):
+    SGD with lr 1 leaves such a parameter at the gradient, exactly; the parameters go back to 0
+    (load_state_dict) before the next batch, which the same trainer takes (another shape: another
+    graph). The first-step check against torch is off: this compares more. Returns the trainer."""
+    batch_names = list(batches[0])
+    shifted = {name: np.shape(batches[0][name]) for name in differentiable}
+    shifted.update({name: np.shape(value) for name, value in weights.items()})
+    options = ORTTrainerOptions({"device": {"id": "cpu"}, "debug": {"check_against_torch": "off"}})
+    trainer = ORTTrainer(_shifted_module(function, batch_names, weights, shifted), None, optim.SGDConfig(lr=1.0),
+                         loss_fn=_weighted_sum, options=options)  # fmt: skip
+    initial = None
+    for batch in batches:
+        values = {**batch, **weights}
+        upstream = upstream_like(tuple(function(**{name: torch.tensor(np.asarray(value)) for name, value in values.items()}).shape))
+        inputs = [torch.tensor(np.asarray(batch[name])) for name in batch_names] + [torch.tensor(upstream.reshape(-1))]
+        outputs = {"eval_step value": trainer.eval_step(*inputs)[1].numpy()}
+        if initial is None:
+            initial = copy.deepcopy(trainer.state_dict())
+        if saved_to is not None:
+            path = os.path.join(saved_to, "saved.onnx")
+            trainer.save_as_onnx(path, with_loss=False)
+            session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+            feeds = {graph_input.name: np.asarray(batch[graph_input.name]) for graph_input in session.get_inputs()}
+            saved = outputs["saved model's value"] = session.run(None, feeds)[0]
+            declared = [dim.dim_value or None for dim in onnx.load(path).graph.output[0].type.tensor_type.shape.dim]
+            assert all(size in (None, actual) for size, actual in zip(declared, saved.shape)), \
+                f"the saved model declares its output {declared}, gives {saved.shape}"
+        outputs["train_step value"] = trainer.train_step(*inputs)[1].detach().numpy()
+        state = trainer.state_dict(pytorch_format=True)
+        gradients = {name: state[f"{name}_shift"].numpy() for name in shifted}
+        assert_results_like_torch(outputs, gradients, function, values, upstream, ulps, floor)
+        trainer.load_state_dict(initial)
+    return trainer
 
 
 def op_types(model) -> set:
