@@ -688,9 +688,15 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
     exported = onnx.load_from_string(buffer.getvalue())
     _strip_wrapper_prefix(exported)
     lookups = resolve_markers(exported)
-    rewrites.inline_decided_ifs(exported)
-    rewrites.torch_average_pools(exported)
+    rewrites.torch_average_pools(exported)  # first: torch's pools can make fewer windows than ONNX's, whose sizes folding reads
+    rewrites.fold_static_sizes(exported, _module_tensor_names(model))
     return exported, lookups, heard.frozen_values
+
+
+def _module_tensor_names(model: torch.nn.Module) -> set:
+    """The names of ``model``'s parameters and buffers, persistent or not: the graph's initializers of them."""
+    tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    return {name for name, _ in tensors}
 
 
 def refuse_data_dependent_trace(first: bytes, again: bytes, frozen_values) -> None:

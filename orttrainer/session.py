@@ -131,7 +131,20 @@ def device_providers(device: torch.device, mem_limit: int = 0, provider_options=
 # gradients were written into the trainer's own buffers, and right when ONNX Runtime allocated them
 # (docs/stack_facts.md); the scalar multiplications it would fold cost nothing measurable (NOTES.md §37).
 _DISABLED_OPTIMIZERS = ["MatMulScaleFusion"]
+# Run without by graphs holding a cubic Resize: ONNX Runtime's CPU layout transformer moves a Transpose through
+# a cubic Resize of constant sizes or scales where the inverse Transpose follows (a table of position embeddings
+# resized: permute, interpolate, permute back), and leaves a Resize the cubic kernel refuses ("'Cubic' mode only
+# support ... outermost 2 scale values being 1"; docs/stack_facts.md).
+_BREAKS_CUBIC_RESIZE = ["TransposeOptimizer_CPUExecutionProvider"]
 _SPINNING_ENTRIES = ("session.intra_op.allow_spinning", "session.inter_op.allow_spinning")
+
+
+def disabled_optimizers(model: onnx.ModelProto) -> list:
+    """The graph transformers a session of ``model`` runs without: ``_DISABLED_OPTIMIZERS``, and
+    ``_BREAKS_CUBIC_RESIZE`` if it holds a cubic Resize."""
+    cubic = any(node.op_type == "Resize" and attribute.name == "mode" and attribute.s == b"cubic"
+                for node in model.graph.node for attribute in node.attribute)  # fmt: skip
+    return _DISABLED_OPTIMIZERS + (_BREAKS_CUBIC_RESIZE if cubic else [])
 
 
 def session_options(base=None, deterministic=False, optimized_model_path="", threads=None) -> onnxruntime.SessionOptions:
@@ -279,7 +292,7 @@ class TorchBoundSession:
         provider_options = [opts for _, opts in providers]
         self.session = onnxruntime.InferenceSession(
             model.SerializeToString(), sess_options=options, providers=names, provider_options=provider_options,
-            disabled_optimizers=_DISABLED_OPTIMIZERS,
+            disabled_optimizers=disabled_optimizers(model),
         )
         check_provider_in_use(providers, self.session.get_providers(), device)
         self._run_options = run_options()

@@ -308,21 +308,20 @@ def test_what_the_user_passed_in_is_never_changed(tmp_path):
     assert proto.SerializeToString() == original
 
 
-class LastState(nn.Module):
-    """squeeze(1) of a gathered dimension the exporter cannot size: it exports an ONNX If."""
+class SqueezedBatch(nn.Module):
+    """squeeze(0) of the batch dimension, dynamic in the graph: the exporter writes an ONNX If on its size."""
 
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(8, 3)
 
-    def forward(self, x, lengths):
-        index = (lengths - 1).view(-1, 1, 1).expand(-1, 1, x.shape[-1])
-        return self.fc(x.gather(1, index).squeeze(1))
+    def forward(self, x):
+        return self.fc(x.squeeze(0))
 
 
 def test_control_flow_before_the_loss_is_refused_instead_of_aborting_the_process():
     """onnxruntime-training 1.19's gradient builder kills the process on an If (a C++ assertion)."""
-    trainer = ORTTrainer(LastState(), None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
+    trainer = ORTTrainer(SqueezedBatch(), None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
     with pytest.raises(GradientBuildError, match=r"If \(node '/model/If'\): control flow, which the exporter writes e\.g\. "
                                                  r"for squeeze\(\)"):
-        trainer.train_step(torch.randn(4, 7, 8), torch.tensor([7, 5, 3, 7]), torch.tensor([0, 1, 2, 0]))
+        trainer.train_step(torch.randn(4, 8), torch.tensor([0, 1, 2, 0]))

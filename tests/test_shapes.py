@@ -75,6 +75,28 @@ def test_python_if_on_a_shape_trains_like_torch():
     assert trainer._graphs.built == 3  # width 8, and widths 5 and 6 (the pad width is frozen too)
 
 
+class LastState(nn.Module):
+    """The state at each row's length: squeeze(1) of a gathered dimension the exporter cannot size, an ONNX
+    If on a size the graph's inputs fix (``rewrites.fold_static_sizes`` decides it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x, lengths):
+        index = (lengths - 1).view(-1, 1, 1).expand(-1, 1, x.shape[-1])
+        return self.fc(x.gather(1, index).squeeze(1))
+
+
+def test_an_if_on_a_fixed_size_trains_like_torch_at_every_sequence_length():
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, seq, 8, generator=generator), torch.randint(1, seq + 1, (4,), generator=generator),
+             torch.randint(0, 3, (4,), generator=generator)) for seq in (7, 7, 5, 7)]  # fmt: skip
+    trainer, _ = run_parity(LastState(), data, optim.SGDConfig(lr=0.1), sgd, loss_fn=F.cross_entropy)
+    assert trainer._graphs.built == 2
+
+
 def test_gradient_accumulation_across_a_shape_change_inside_the_window():
     torch.manual_seed(0)
     model = SeqFirstEncoder()

@@ -151,7 +151,8 @@ def _check_hugging_face(tmp_path, model, batches, eval_batch):
             _close(result, wanted[name], f"ONNX (with_loss={with_loss}) {name}")
 
 
-HUGGING_FACE_SHAPES = {"images": [(2,), (3,), (2,)], "audio": [(2,), (3,), (2,)], "tokens": [(2, 8), (3, 12), (2, 8)]}
+HUGGING_FACE_SHAPES = {"images": [(2,), (3,), (2,)], "image sizes": [(2, 16), (3, 24), (2, 16)], "audio": [(2,), (3,), (2,)],
+                       "tokens": [(2, 8), (3, 12), (2, 8)]}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", zoo.HUGGING_FACE_MODELS)

@@ -366,6 +366,32 @@ def vit_classifier():
     return transformers.ViTForImageClassification(config)
 
 
+def dinov2_classifier():
+    """DINOv2: its position embeddings, reshaped to the square root of their count, are resized (bicubic) to the
+    image's patch grid at every call under tracing; those sizes come from Pow, Div and Cast of sizes
+    (rewrites.fold_static_sizes makes them constants of each image size's graph)."""
+    import transformers
+
+    config = transformers.Dinov2Config(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2,
+                                       num_attention_heads=2, mlp_ratio=2, hidden_dropout_prob=0.0,
+                                       attention_probs_dropout_prob=0.0, drop_path_rate=0.0, num_labels=3)  # fmt: skip
+    return transformers.Dinov2ForImageClassification(config)
+
+
+def beit_classifier():
+    """BEiT with a relative position bias per layer: a table resized (bilinear) to the patch grid at sizes computed
+    from the window's (rewrites.fold_static_sizes). With interpolate_pos_encoding=True it resizes the bias again to
+    the sequence's length, which ONNX's inference cannot follow through a Reshape to -1 of a dynamic batch: refused,
+    naming the Resize."""
+    import transformers
+
+    config = transformers.BeitConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2, intermediate_size=37, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0, drop_path_rate=0.0,
+                                     use_relative_position_bias=True, use_mean_pooling=True, num_labels=3)  # fmt: skip
+    return transformers.BeitForImageClassification(config)
+
+
 def clip_model():
     """CLIP: a text and a vision transformer, their pooled outputs projected and compared; CLIPOutput holds each
     tower's BaseModelOutputWithPooling (nested ModelOutputs), and its loss pairs the batch's i-th caption and image."""
@@ -459,4 +485,6 @@ HUGGING_FACE_MODELS = {
     "bloom-lm": (bloom_lm, causal_lm_batch, "tokens"),
     "efficientnet-image-classifier": (efficientnet_classifier, functools.partial(vit_batch, size=32), "images"),
     "clip-contrastive-return-loss": (clip_model, image_text_batch, "tokens"),
+    "dinov2-image-classifier": (dinov2_classifier, vit_batch, "image sizes"),
+    "beit-image-classifier": (beit_classifier, vit_batch, "images"),
 }
