@@ -141,7 +141,7 @@ def zoo_workloads():
     """The test zoo's models (tests/zoo.py), batch 16 (and 32 tokens): the architectures the parity
     tests train, at the zoo's tiny widths, so a step is mostly what orttrainer and torch pay per
     step and per op. The Hugging Face models take keyword batches and return their own loss."""
-    shapes = {"images": (16,), "image sizes": (16,), "audio": (16,), "tokens": (16, 32)}
+    shapes = {"images": (16,), "image sizes": (16,), "audio": (16,), "tokens": (16, 32), "short tokens": (16, 16)}
     workloads = []
     for models, loss_fn in ((zoo.TORCH_MODELS, F.cross_entropy), (zoo.HUGGING_FACE_MODELS, None)):
         for name, (make, make_batch, kind) in models.items():

@@ -336,7 +336,7 @@ def exact_quick_gelu_grad(build: NodeBuilder):
 
 _ABOVE_ANY_FLOAT = 1e300  # a float64 beyond every float32, below the largest float64
 _NAN_KEY = 1e301  # NaN's keys start above every other key
-_NAN_KEY_STEP = 1e290  # apart by more than float64's spacing there (2e285) for a tensor of up to 1e11 elements
+_NAN_KEY_STEP = 1e290  # apart by more than float64's spacing there (2e285) for an image of up to 1e11 elements
 
 
 def exact_max_pool(build: NodeBuilder):
@@ -356,11 +356,12 @@ def exact_max_pool(build: NodeBuilder):
     x = build.node.input[0]
     wide = build.op("Cast", [x], to=onnx.TensorProto.DOUBLE)
     bounded = build.op("Clip", [wide, build.const(-_ABOVE_ANY_FLOAT, np.float64), build.const(_ABOVE_ANY_FLOAT, np.float64)])
-    positions = build.op("Cast", [build.op("Range", [build.const(0, np.int64), build.op("Size", [x]), build.const(1, np.int64)])],
-                         to=onnx.TensorProto.DOUBLE)
+    # a window lies in one image and channel: positions over the spatial axes, which ONNX Runtime folds where they are static
+    spatial = build.op("Slice", [build.op("Shape", [x]), build.const([2], np.int64), build.const([np.iinfo(np.int64).max], np.int64)])
+    count = build.reduce("ReduceProd", spatial, None, keepdims=0)
+    positions = build.op("Cast", [build.op("Range", [build.const(0, np.int64), count, build.const(1, np.int64)])], to=onnx.TensorProto.DOUBLE)
     nan_keys = build.op("Add", [build.op("Mul", [positions, build.const(_NAN_KEY_STEP, np.float64)]), build.const(_NAN_KEY, np.float64)])
-    nan_keys = build.op("Reshape", [nan_keys, build.op("Shape", [x])])
-    keys = build.op("Where", [build.op("IsNaN", [x]), nan_keys, bounded])
+    keys = build.op("Where", [build.op("IsNaN", [x]), build.op("Reshape", [nan_keys, spatial]), bounded])
     outputs = list(build.node.output) + [""]
     indices = outputs[1] or build.fresh_name()
     attributes = node_attributes(build.node)

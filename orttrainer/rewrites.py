@@ -496,10 +496,11 @@ def average_pool(build):
 
 
 def _drops_a_window(node: onnx.NodeProto, shapes: dict) -> bool:
-    """Whether torch makes fewer ceil_mode windows than this AveragePool's ONNX Runtime kernel (one that would start in
+    """Whether torch makes fewer ceil_mode windows than this pool's ONNX Runtime kernel (one that would start in
     the end padding, e.g. size 4, kernel 2, stride 3, padding 1: 2 windows, not 3); False where sizes are unknown."""
-    kernel = list(node_attribute(node, "kernel_shape"))
-    dims = len(kernel)
+    dims = len(node_attribute(node, "kernel_shape"))
+    dilations = list(node_attribute(node, "dilations", [1] * dims))
+    kernel = [(size - 1) * dilation + 1 for size, dilation in zip(node_attribute(node, "kernel_shape"), dilations)]
     lengths = (shapes.get(node.input[0]) or [None] * (dims + 2))[2:]
     strides = list(node_attribute(node, "strides", [1] * dims))
     pads = list(node_attribute(node, "pads", [0] * 2 * dims))
@@ -548,6 +549,25 @@ def torch_average_pools(model: onnx.ModelProto) -> list:
     if dropping & set(rewritten):
         _declare_inferred_output_sizes(model)
     return rewritten
+
+
+def torch_max_pools(model: onnx.ModelProto) -> list:
+    """Turn off, in place, the ceil_mode of each MaxPool whose ceil_mode makes a window torch does not
+    (``_drops_a_window``: one starting in the end padding, which ONNX Runtime's kernel makes); return their names.
+    torch drops a window only where the ceil count exceeds the floor count (a pad is shorter than the kernel),
+    so it keeps the floor count: with ceil_mode off the windows are torch's. The graph outputs then declare
+    torch's sizes (``nn.MaxPool2d(2, 3, 1, ceil_mode=True)`` over 4x4: 2x2, not ONNX Runtime's 3x3)."""
+    shapes = None
+    turned = []
+    for node in model.graph.node:
+        if node.op_type == "MaxPool" and node_attribute(node, "ceil_mode", 0):
+            shapes = static_shapes(model) if shapes is None else shapes
+            if _drops_a_window(node, shapes):
+                next(attribute for attribute in node.attribute if attribute.name == "ceil_mode").i = 0
+                turned.append(node.name)
+    if turned:
+        _declare_inferred_output_sizes(model)
+    return turned
 
 
 def depth_to_space(build):

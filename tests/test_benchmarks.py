@@ -61,3 +61,17 @@ def test_gemm_efficiency_times_every_gemm_of_the_mlp_and_counts_its_flops():
     expected = 2 * 8 * (3 * sum(layers) - layers[0]) / 1e9
     assert sum(row[4] for row in rows) == pytest.approx(expected, rel=1e-9)
     assert len(rows) == 8 and all(row[2] > 0 and row[3] > 0 for row in rows) and run_ms > 0
+
+
+def test_every_zoo_workload_takes_its_benchmark_batch():
+    """`bench.py --zoo` stops at the first model that refuses its batch (CLIP's 32 tokens over 16 positions did):
+    each model's loss on its benchmark batch, in eager torch."""
+    pytest.importorskip("transformers", reason="the Hugging Face zoo needs transformers (the test extra)")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import torch
+    from bench import _loss
+    from workloads import zoo_workloads
+
+    for workload in zoo_workloads():
+        loss = _loss(workload.make_model(), workload, workload.make_batch(torch.Generator().manual_seed(0)))
+        assert torch.isfinite(loss), workload.name

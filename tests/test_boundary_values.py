@@ -950,9 +950,11 @@ def test_max_pool_at_nan_and_infinite_windows(kernel, stride, pads, relu_first):
 @pytest.mark.parametrize("kernel, stride, pads", [(2, 2, 0), (3, 1, 1), (3, 2, 1)])
 def test_max_pool_window_of_several_nan(kernel, stride, pads):
     """Of several NaN in a window the last, in row-major order, takes the gradient, as in torch;
-    NaN-only windows, NaN beside inf, and overlapping windows sharing some of their NaN."""
-    x = np.full((1, 1, 4, 5), np.nan, np.float32)
+    NaN-only windows, NaN beside inf, and overlapping windows sharing some of their NaN, in planes
+    (images, channels) of other patterns."""
+    x = np.full((2, 3, 4, 5), np.nan, np.float32)
     x[0, 0, 1, 3], x[0, 0, 2, 1], x[0, 0, 3, 4], x[0, 0, 0, 2] = 7.0, np.inf, -np.inf, 1.0
+    x[1:, 1:] = np.where(np.random.default_rng(0).random((1, 2, 4, 5)) < 0.5, np.nan, np.arange(40.0).reshape(1, 2, 4, 5))
     function = lambda x: F.max_pool2d(x, kernel, stride, pads)  # noqa: E731
     upstream = upstream_like(function(torch.tensor(x)).shape)
     attributes = {"kernel_shape": [kernel, kernel], "strides": [stride, stride], "pads": [pads] * 4}

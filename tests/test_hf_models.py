@@ -195,15 +195,19 @@ def _tagger_batch(generator):
             "attention_mask": torch.ones(4, 5), "labels": torch.randint(0, 3, (4, 5), generator=generator)}  # fmt: skip
 
 
+def _side_by_side(model):
+    """An ORTTrainer of ``model``, a deep copy of it and torch SGD on the copy, both at LR."""
+    reference = copy.deepcopy(model)
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=LR), options=cpu_options())
+    return trainer, reference, torch.optim.SGD(reference.parameters(), lr=LR)
+
+
 def test_dict_comes_back_as_a_dict_with_tuples_and_forward_defaults_kept():
     """Fields in the model's order, None left out, a tuple of tensors a tuple again; a key the batch
     leaves out keeps forward's default (scale=2); the key order does not matter (one graph)."""
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1)
-    model = Tagger()
-    reference = copy.deepcopy(model)
-    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=LR), options=cpu_options())
-    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    trainer, reference, optimizer = _side_by_side(Tagger())
     for step in (1, 2):
         batch = _tagger_batch(generator)
         outputs = trainer.train_step(**dict(reversed(batch.items())) if step == 2 else batch)
@@ -317,10 +321,7 @@ def test_a_constant_passed_to_a_step_goes_to_forward_and_chooses_the_graph(tmp_p
     batch the user passed is not changed."""
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1)
-    model = TensorScaleTagger()
-    reference = copy.deepcopy(model)
-    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=LR), options=cpu_options())
-    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    trainer, reference, optimizer = _side_by_side(TensorScaleTagger())
     for step, scale in enumerate((3.0, 3.0, 2.0, 3, 3.0), 1):
         batch = {**_tagger_batch(generator), "scale": scale}
         given = dict(batch)

@@ -200,6 +200,39 @@ def test_a_resized_table_of_positions_trains_and_evaluates_like_torch(mode, resi
         torch.testing.assert_close(trainer.eval_step(*batches[0])[1], reference(x), atol=1e-5, rtol=1e-5)
 
 
+class PoolThenLinear(nn.Module):
+    """A 1x1 convolution, a ceil_mode MaxPool, and a Linear over what torch's pool returns."""
+
+    def __init__(self, pool, size, dims):
+        super().__init__()
+        self.conv, self.pool = (nn.Conv1d if dims == 1 else nn.Conv2d)(2, 3, 1), pool
+        with torch.no_grad():
+            pooled = pool(torch.zeros((1, 3) + (size,) * dims)).numel()
+        self.head = nn.Linear(pooled, 4)
+
+    def forward(self, x):
+        return self.head(self.pool(self.conv(x)).flatten(1))
+
+
+@pytest.mark.parametrize("pool, size, dims", [
+    (nn.MaxPool2d(2, stride=3, padding=1, ceil_mode=True), 4, 2),  # torch 2x2 windows, ONNX Runtime 3x3
+    (nn.MaxPool2d(2, stride=3, padding=1, dilation=2, ceil_mode=True), 5, 2),
+    (nn.MaxPool1d(2, stride=3, padding=1, ceil_mode=True), 7, 1),
+    (nn.MaxPool2d(3, stride=2, padding=1, ceil_mode=True), 6, 2),  # a partial last window both make
+], ids=["2d", "dilated", "1d", "partial window kept"])  # fmt: skip
+def test_a_ceil_mode_max_pool_makes_torchs_windows(pool, size, dims):
+    """ONNX Runtime's MaxPool makes a last ceil_mode window that starts in the end padding, which torch's does
+    not (rewrites.torch_max_pools); the first-step check refused such a model."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn((3, 2) + (size,) * dims, generator=generator), torch.randn(3, 4, generator=generator))
+               for _ in range(2)]  # fmt: skip
+    trainer, reference = run_parity(PoolThenLinear(pool, size, dims), batches, optim.SGDConfig(lr=0.1),
+                                    lambda parameters: torch.optim.SGD(parameters, lr=0.1), loss_fn=F.mse_loss)  # fmt: skip
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.eval_step(*batches[0])[1], reference.eval()(batches[0][0]), atol=1e-5, rtol=1e-5)
+
+
 LOSSES = {
     "l1_loss": (F.l1_loss, None),
     "smooth_l1_loss": (lambda out, y: F.smooth_l1_loss(out, y, beta=0.5), None),

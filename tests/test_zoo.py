@@ -152,7 +152,7 @@ def _check_hugging_face(tmp_path, model, batches, eval_batch):
 
 
 HUGGING_FACE_SHAPES = {"images": [(2,), (3,), (2,)], "image sizes": [(2, 16), (3, 24), (2, 16)], "audio": [(2,), (3,), (2,)],
-                       "tokens": [(2, 8), (3, 12), (2, 8)]}  # fmt: skip
+                       "tokens": [(2, 8), (3, 12), (2, 8)], "short tokens": [(2, 8), (3, 12), (2, 8)]}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", zoo.HUGGING_FACE_MODELS)

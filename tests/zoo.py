@@ -249,6 +249,11 @@ def vit_batch(batch, size=16, generator=None, classes=3):
     return {"pixel_values": images, "labels": torch.randint(0, classes, (batch,), generator=generator)}
 
 
+def resized_vit_batch(batch, size=16, generator=None, classes=3):
+    """A vit_batch asking the model to resize its position embeddings to the image (a Python flag: a step constant)."""
+    return {**vit_batch(batch, size, generator, classes), "interpolate_pos_encoding": True}
+
+
 
 _ENCODER = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
             "intermediate_size": 37, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}  # fmt: skip
@@ -382,7 +387,7 @@ def beit_classifier():
     """BEiT with a relative position bias per layer: a table resized (bilinear) to the patch grid at sizes computed
     from the window's (rewrites.fold_static_sizes). With interpolate_pos_encoding=True it resizes the bias again to
     the sequence's length, which ONNX's inference cannot follow through a Reshape to -1 of a dynamic batch: refused,
-    naming the Resize."""
+    naming the Resize (ViT's, which resizes only its position embeddings, trains: vit-resized-positions)."""
     import transformers
 
     config = transformers.BeitConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2,
@@ -458,7 +463,8 @@ def audio_batch(batch, samples=400, generator=None, classes=3):
 
 # ------------------------------------------------------------------ the zoo, listed
 # name: (model factory, batch factory, what the batch factory's shape is). A batch factory takes
-# (batch,) for "images" and "audio" and (batch, padded length) for "tokens", then generator=. The torch
+# (batch,) for "images" and "audio", (batch, image size) for "image sizes", and (batch, padded length) for
+# "tokens" and "short tokens" (at most 16: CLIP's positions), then generator=. The torch
 # models return class scores for F.cross_entropy; the Hugging Face ones take the batch as
 # keywords, labels (or CLIP's return_loss=True) included, and return a ModelOutput with their own loss.
 TORCH_MODELS = {
@@ -484,7 +490,8 @@ HUGGING_FACE_MODELS = {
     "whisper-speech-to-text": (whisper_speech_to_text, speech_batch, "audio"),
     "bloom-lm": (bloom_lm, causal_lm_batch, "tokens"),
     "efficientnet-image-classifier": (efficientnet_classifier, functools.partial(vit_batch, size=32), "images"),
-    "clip-contrastive-return-loss": (clip_model, image_text_batch, "tokens"),
+    "clip-contrastive-return-loss": (clip_model, image_text_batch, "short tokens"),
+    "vit-resized-positions": (vit_classifier, resized_vit_batch, "image sizes"),
     "dinov2-image-classifier": (dinov2_classifier, vit_batch, "image sizes"),
     "beit-image-classifier": (beit_classifier, vit_batch, "images"),
 }
