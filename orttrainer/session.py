@@ -131,7 +131,7 @@ def device_providers(device: torch.device, mem_limit: int = 0, provider_options=
 # gradients were written into the trainer's own buffers, and right when ONNX Runtime allocated them
 # (docs/stack_facts.md); the scalar multiplications it would fold cost nothing measurable (NOTES.md §37).
 _DISABLED_OPTIMIZERS = ["MatMulScaleFusion"]
-# Run without by graphs holding a cubic Resize: ONNX Runtime's CPU layout transformer moves a Transpose through
+# Off in the sessions of graphs holding a cubic Resize: ONNX Runtime's CPU layout transformer moves a Transpose through
 # a cubic Resize of constant sizes or scales where the inverse Transpose follows (a table of position embeddings
 # resized: permute, interpolate, permute back), and leaves a Resize the cubic kernel refuses ("'Cubic' mode only
 # support ... outermost 2 scale values being 1"; docs/stack_facts.md).
