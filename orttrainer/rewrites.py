@@ -1618,10 +1618,14 @@ def _read_nodes(nodes: list, graph_outputs: set) -> list:
         nodes = kept
 
 
-def _read_by_subgraphs(nodes: list) -> set:
-    """Names the subgraphs of ``nodes`` (an If's branches) read from the graph around them."""
-    return {name for node in nodes for attribute in node.attribute if attribute.HasField("g")
-            for inner in attribute.g.node for name in inner.input}  # fmt: skip
+def _read_by_subgraphs(nodes) -> set:
+    """Names the subgraphs of ``nodes`` (an If's branches, and the Ifs inside them) read."""
+    subgraphs = [attribute.g for node in nodes for attribute in node.attribute if attribute.HasField("g")]
+    return {name for graph in subgraphs for name in _read_by(graph)}
+
+
+def _read_by(graph) -> set:
+    return {name for node in graph.node for name in node.input} | _read_by_subgraphs(graph.node)
 
 
 def fold_static_sizes(model: onnx.ModelProto, module_tensors=()) -> list:

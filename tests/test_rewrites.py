@@ -586,3 +586,24 @@ def test_random_ops_and_module_tensors_are_never_folded():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     assert rewrites.fold_static_sizes(model, module_tensors={"scale"}) == []
     assert rewrites.fold_static_sizes(model) == ["squared"]
+
+
+def test_a_tensor_only_an_inner_branch_reads_is_kept():
+    """fold_static_sizes drops the nodes nothing reads; a tensor read only inside an If inside an If's branch
+    is read (the conditions are graph inputs: nothing to decide)."""
+    inner = helper.make_graph([helper.make_node("Identity", ["relu"], ["inner_y"])], "inner", [],
+                              [helper.make_tensor_value_info("inner_y", TensorProto.FLOAT, None)])  # fmt: skip
+    other = helper.make_graph([helper.make_node("Identity", ["x"], ["other_y"])], "other", [],
+                              [helper.make_tensor_value_info("other_y", TensorProto.FLOAT, None)])  # fmt: skip
+    then_branch = helper.make_graph([helper.make_node("If", ["second"], ["then_y"], then_branch=inner, else_branch=other)],
+                                    "then", [], [helper.make_tensor_value_info("then_y", TensorProto.FLOAT, None)])  # fmt: skip
+    nodes = [helper.make_node("Relu", ["x"], ["relu"], name="relu"),
+             helper.make_node("If", ["first"], ["y"], name="If", then_branch=then_branch, else_branch=other)]  # fmt: skip
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3]), helper.make_tensor_value_info("first", TensorProto.BOOL, []),
+              helper.make_tensor_value_info("second", TensorProto.BOOL, [])]  # fmt: skip
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    assert rewrites.fold_static_sizes(model) == []
+    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = np.array([-1.0, 0.0, 2.0], np.float32)
+    np.testing.assert_array_equal(session.run(None, {"x": x, "first": np.array(True), "second": np.array(True)})[0], [0, 0, 2])
