@@ -688,8 +688,7 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
     exported = onnx.load_from_string(buffer.getvalue())
     _strip_wrapper_prefix(exported)
     lookups = resolve_markers(exported)
-    rewrites.torch_average_pools(exported)  # first: torch's pools can make fewer windows than ONNX's, whose sizes folding reads
-    rewrites.torch_max_pools(exported)
+    rewrites.torch_pools(exported)  # first: torch's pools can make fewer windows than ONNX's, whose sizes folding reads
     rewrites.fold_static_sizes(exported, _module_tensor_names(model))
     return exported, lookups, heard.frozen_values
 

@@ -528,46 +528,50 @@ def _declare_inferred_output_sizes(model: onnx.ModelProto) -> None:
                     dim.dim_value = size
 
 
-def torch_average_pools(model: onnx.ModelProto) -> list:
-    """Replace, in place, each AveragePool with ceil_mode and count_include_pad, or whose ceil_mode makes a window
-    torch does not (``_drops_a_window``), by ``average_pool``; return their names. ONNX Runtime's kernel divides a
-    partial last window by the whole kernel, torch's by what it covers of the input and its padding
-    (nn.AvgPool2d(3, 2, ceil_mode=True) over 4x4: 4.33 where torch gives 6.5), and makes a last window starting in
-    the end padding, which torch does not (nn.AvgPool2d(2, 3, 1, ceil_mode=True) over 4x4: 3x3 outputs, torch 2x2):
-    replaced in the exported forward, the eval graph and a saved model compute torch's values too, and the graph
-    outputs declare torch's sizes. One whose input sizes shape inference does not know stays (a training graph's
-    build then names it)."""
-    pools = [node for node in model.graph.node if node.op_type == "AveragePool" and node_attribute(node, "ceil_mode", 0)]
-    if not pools:
-        return []
-    shapes = static_shapes(model)
-    dropping = {node.name for node in pools if _drops_a_window(node, shapes)}
-    targets = [node for node in pools if node_attribute(node, "count_include_pad", 0) or node.name in dropping]
-    if not targets:
-        return []
-    rewritten = replace_nodes(model, {"AveragePool": average_pool}, targets, shapes=shapes, failed={})
-    if dropping & set(rewritten):
-        _declare_inferred_output_sizes(model)
-    return rewritten
+_TORCH_POOLS = ("AveragePool", "MaxPool")
 
 
-def torch_max_pools(model: onnx.ModelProto) -> list:
-    """Turn off, in place, the ceil_mode of each MaxPool whose ceil_mode makes a window torch does not
-    (``_drops_a_window``: one starting in the end padding, which ONNX Runtime's kernel makes); return their names.
-    torch drops a window only where the ceil count exceeds the floor count (a pad is shorter than the kernel),
-    so it keeps the floor count: with ceil_mode off the windows are torch's. The graph outputs then declare
-    torch's sizes (``nn.MaxPool2d(2, 3, 1, ceil_mode=True)`` over 4x4: 2x2, not ONNX Runtime's 3x3)."""
-    shapes = None
-    turned = []
-    for node in model.graph.node:
-        if node.op_type == "MaxPool" and node_attribute(node, "ceil_mode", 0):
-            shapes = static_shapes(model) if shapes is None else shapes
-            if _drops_a_window(node, shapes):
-                next(attribute for attribute in node.attribute if attribute.name == "ceil_mode").i = 0
-                turned.append(node.name)
-    if turned:
+def torch_pools(model: onnx.ModelProto) -> list:
+    """Make, in place, each ceil_mode pool ONNX Runtime's kernel would compute otherwise than torch compute
+    torch's; return their names. ONNX Runtime's AveragePool divides a partial last window by the whole kernel,
+    torch's by what it covers of the input and its padding (nn.AvgPool2d(3, 2, ceil_mode=True) over 4x4: 4.33
+    where torch gives 6.5), and both its pools make a last window starting in the end padding, which torch's do
+    not (``_drops_a_window``; nn.AvgPool2d(2, 3, 1, ceil_mode=True) over 4x4: 3x3 outputs, torch 2x2). Such an
+    AveragePool (and one with count_include_pad) is replaced by ``average_pool``; such a MaxPool gets ceil_mode
+    off: torch drops a window only where the ceil count exceeds the floor count (a pad is shorter than the
+    kernel), so it keeps the floor count, and the windows are torch's. The exported forward changes, so the eval
+    graph and a saved model compute torch's values too, and the graph outputs declare torch's sizes. Pools are
+    taken in graph order, the sizes inferred again after each (a pool changes the sizes after it); an
+    AveragePool whose input sizes shape inference does not know stays (a training graph's build then names it)."""
+    if not any(node.op_type in _TORCH_POOLS and node_attribute(node, "ceil_mode", 0) for node in model.graph.node):
+        return []
+    changed, kept, dropped = [], set(), False
+    while True:
+        shapes = static_shapes(model)
+        pool = next((node for node in model.graph.node if node.name not in kept and _pool_differs(node, shapes)), None)
+        if pool is None:
+            break
+        dropped = dropped or _drops_a_window(pool, shapes)
+        if pool.op_type == "MaxPool":
+            next(attribute for attribute in pool.attribute if attribute.name == "ceil_mode").i = 0
+            changed.append(pool.name)
+            continue
+        rewritten = replace_nodes(model, {"AveragePool": average_pool}, [pool], shapes=shapes, failed={})
+        changed += rewritten
+        if not rewritten:
+            kept.add(pool.name)
+    if dropped:
         _declare_inferred_output_sizes(model)
-    return turned
+    return changed
+
+
+def _pool_differs(node: onnx.NodeProto, shapes: dict) -> bool:
+    """Whether ``torch_pools`` changes this node: a ceil_mode pool that makes a window torch's does not, or an
+    AveragePool with ceil_mode and count_include_pad."""
+    if node.op_type not in _TORCH_POOLS or not node_attribute(node, "ceil_mode", 0):
+        return False
+    averaging_padding = node.op_type == "AveragePool" and node_attribute(node, "count_include_pad", 0)
+    return averaging_padding or _drops_a_window(node, shapes)
 
 
 def depth_to_space(build):
@@ -1448,7 +1452,7 @@ def _constant_node_value(node) -> np.ndarray:
     return numpy_helper.to_array(node_attribute(node, "value"))
 
 
-def inline_decided_ifs(model: onnx.ModelProto) -> list:
+def _inline_decided_ifs(model: onnx.ModelProto) -> list:
     """Replace, in place, each If whose condition is a Constant node (``fold_static_sizes`` makes one of the
     exporter's squeeze() of a dimension it could not size, e.g. after a split) by the nodes of the branch
     it always takes; return the If nodes' names. The gradient builder takes no control flow; the values
@@ -1537,16 +1541,11 @@ _NOT_FOLDED = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUnifo
 _FOLDED_UP_TO = 64  # elements of a value fold_static_sizes folds: sizes and their arithmetic, not data
 
 
-def _constants(model: onnx.ModelProto) -> dict:
-    """Values known before the run: initializers, Constant nodes, and what only they feed
-    (the exporter computes e.g. Resize scales with small chains of such nodes)."""
-    return _known_values(model)
-
-
 def _known_values(model: onnx.ModelProto, symbols: dict = None, excluded=()) -> dict:
     """Tensor name -> value known before the run: initializers but ``excluded``, Constant nodes, with
-    ``symbols`` (``symbolic_shapes``) the sizes of static dimensions (Shape, Size, a Gather of a Shape's
-    static elements), and what only these feed, evaluated by ONNX's reference implementation."""
+    ``symbols`` (``symbolic_shapes``) the sizes of static dimensions (Shape, Size, a Gather or Slice of a Shape's
+    static elements), and what only these feed (the exporter computes e.g. Resize scales with small chains
+    of such nodes), evaluated by ONNX's reference implementation."""
     graph = model.graph
     graph_inputs = {graph_input.name for graph_input in graph.input}
     values = {initializer.name: numpy_helper.to_array(initializer) for initializer in graph.initializer
@@ -1631,7 +1630,7 @@ def _read_by(graph) -> set:
 def fold_static_sizes(model: onnx.ModelProto, module_tensors=()) -> list:
     """Replace, in place, each node a run computes from constants and static sizes alone (values of at most
     ``_FOLDED_UP_TO`` elements: shapes and their arithmetic) by Constant nodes, and each If they decide by
-    its branch (``inline_decided_ifs``), until none is left; return the replaced nodes' names.
+    its branch (``_inline_decided_ifs``), until none is left; return the replaced nodes' names.
 
     ONNX's shape inference follows sizes through a few ops only (not Div, Pow or a Cast from float):
     DINOv2's position embeddings, reshaped to the square root of their count and resized to the image's
@@ -1655,7 +1654,7 @@ def fold_static_sizes(model: onnx.ModelProto, module_tensors=()) -> list:
                       for index, name in enumerate(node.output)]  # fmt: skip
         del model.graph.node[:]
         model.graph.node.extend(_read_nodes(nodes, graph_outputs))
-        done = folded + inline_decided_ifs(model)
+        done = folded + _inline_decided_ifs(model)
         if not done:
             return replaced
         replaced += done
@@ -1684,7 +1683,7 @@ def rewrite_for_training(model: onnx.ModelProto, only_between=None) -> list:
     rewritten = []
     while targets:  # again for the nodes whose facts (a shape after a rewritten Resize) only a rewrite made known
         symbols, failed = symbolic_shapes(model), {}
-        done = replace_nodes(model, REWRITES, targets, static_shapes(model, symbols), _constants(model), symbols, failed)
+        done = replace_nodes(model, REWRITES, targets, static_shapes(model, symbols), _known_values(model), symbols, failed)
         rewritten += done
         if failed and not done:
             raise next(iter(failed.values()))

@@ -1139,7 +1139,7 @@ def _pool_input(shape):
     ((2, 2, 1, 1), 3, 2, 1, False),
 ])  # fmt: skip
 def test_average_pool_with_ceil_mode(shape, kernel, stride, padding, count_include_pad, tmp_path):
-    """rewrites.torch_average_pools (AvgPool2d(ceil_mode=True)): torch's values in train_step, eval_step and the saved
+    """rewrites.torch_pools (AvgPool2d(ceil_mode=True)): torch's values in train_step, eval_step and the saved
     model (whose output declares torch's size), and its gradient (each window over what it covers of the input, and
     with count_include_pad of its padding), with NaN, ±inf, huge and tiny values in the partial windows. ONNX Runtime's
     kernel divided a partial window by the whole kernel, and made a window starting in the end padding, which torch

@@ -148,7 +148,7 @@ CASES = {
 }
 EXPECTED_OP = {name: name.split(" ")[0] for name in CASES}
 EXPECTED_OP["Mish (Softplus inside)"] = "Softplus"
-REWRITTEN_IN_THE_EXPORT = {"AveragePool (ceil_mode, padding)"}  # rewrites.torch_average_pools
+REWRITTEN_IN_THE_EXPORT = {"AveragePool (ceil_mode, padding)"}  # rewrites.torch_pools
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -201,7 +201,7 @@ def test_a_resized_table_of_positions_trains_and_evaluates_like_torch(mode, resi
 
 
 class PoolThenLinear(nn.Module):
-    """A 1x1 convolution, a ceil_mode MaxPool, and a Linear over what torch's pool returns."""
+    """A 1x1 convolution, ceil_mode pools, and a Linear over what torch's pools return."""
 
     def __init__(self, pool, size, dims):
         super().__init__()
@@ -219,10 +219,13 @@ class PoolThenLinear(nn.Module):
     (nn.MaxPool2d(2, stride=3, padding=1, dilation=2, ceil_mode=True), 5, 2),
     (nn.MaxPool1d(2, stride=3, padding=1, ceil_mode=True), 7, 1),
     (nn.MaxPool2d(3, stride=2, padding=1, ceil_mode=True), 6, 2),  # a partial last window both make
-], ids=["2d", "dilated", "1d", "partial window kept"])  # fmt: skip
+    (nn.Sequential(nn.MaxPool2d(2, stride=3, padding=1, ceil_mode=True), nn.AvgPool2d(3, stride=2, padding=1, ceil_mode=True)),
+     10, 2),
+], ids=["2d", "dilated", "1d", "partial window kept", "max then average pool"])  # fmt: skip
 def test_a_ceil_mode_max_pool_makes_torchs_windows(pool, size, dims):
     """ONNX Runtime's MaxPool makes a last ceil_mode window that starts in the end padding, which torch's does
-    not (rewrites.torch_max_pools); the first-step check refused such a model."""
+    not (rewrites.torch_pools); the first-step check refused such a model. A MaxPool feeding a ceil_mode
+    AveragePool: the AveragePool is rewritten for the sizes torch's MaxPool gives."""
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1)
     batches = [(torch.randn((3, 2) + (size,) * dims, generator=generator), torch.randn(3, 4, generator=generator))

@@ -999,7 +999,7 @@ class PaddedPooling(nn.Module):
 @pytest.mark.parametrize("kernel, stride", [(3, 2), (1280, 1280)], ids=["partial-windows", "window-beyond-the-input"])
 def test_average_pool_with_ceil_mode_trains_evaluates_and_saves_as_torch(tmp_path, kernel, stride):
     """ONNX Runtime's AveragePool divides a partial ceil_mode window by the whole kernel (the eval graph and a
-    saved model had other values than torch's; rewrites.torch_average_pools), and torch's pads for F.pad came as
+    saved model had other values than torch's; rewrites.torch_pools), and torch's pads for F.pad came as
     a chain of ops after which shape inference knew no size (the pool was refused; symbolics._onnx_paddings)."""
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1)

@@ -343,7 +343,7 @@ def bart_generator():
 
 def bert_question_answering():
     """Start and end scores from one Linear, split(1, dim=-1) and squeeze(-1): the exporter writes an If for
-    the squeeze of a dimension it cannot size (rewrites.inline_decided_ifs)."""
+    the squeeze of a dimension it cannot size (rewrites.fold_static_sizes)."""
     import transformers
 
     return transformers.BertForQuestionAnswering(transformers.BertConfig(**_ENCODER, max_position_embeddings=64, pad_token_id=0))
