@@ -510,6 +510,28 @@ def _extreme(onnx_op, torch_symbolic):
     return symbolic
 
 
+def _arg_extreme(onnx_op, reduce_op):
+    """aten::argmax / aten::argmin of a floating tensor at the index rewrites.first_extreme_index picks:
+    the first NaN of a slice holding one, else the first extreme, as torch. ONNX Runtime's ArgMax and
+    ArgMin skip a NaN unless it comes first. Integer tensors, which hold no NaN, get torch's symbolic."""
+
+    @symbolic_helper.parse_args("v", "v", "b")
+    def symbolic(g, x, dim, keepdim):
+        if not symbolic_helper._is_fp(x):
+            return symbolic_helper._argmin_argmax_helper(g, x, dim, keepdim, onnx_op)
+        build = _ExportGraph(g)
+        if not symbolic_helper._is_none(dim):
+            axis = symbolic_helper._get_const(dim, "i", "dim")
+            index = rewrites.first_extreme_index(build, x, axis, reduce_op)
+            return index if keepdim else build.squeeze(index, [axis])
+        index = rewrites.first_extreme_index(build, g.op("Reshape", x, build.const([-1], np.int64)), 0, reduce_op)
+        if not keepdim:  # torch.argmax(x): a 0-d index into the flattened tensor
+            return build.squeeze(index, [0])
+        return g.op("Reshape", index, build.const([1] * symbolic_helper._get_tensor_rank(x), np.int64))
+
+    return symbolic
+
+
 def _unary(onnx_op):
     """aten op -> the ONNX op of the same meaning (rewrites.py makes it trainable)."""
 
@@ -945,6 +967,8 @@ _SYMBOLICS = {
     "relu6": relu6,
     "max": _extreme("ReduceMax", symbolic_helper._max_helper),
     "min": _extreme("ReduceMin", symbolic_helper._min_helper),
+    "argmax": _arg_extreme("ArgMax", "ReduceMax"),
+    "argmin": _arg_extreme("ArgMin", "ReduceMin"),
     "sinh": _unary("Sinh"),
     "cosh": _unary("Cosh"),
     "asinh": _unary("Asinh"),

@@ -158,6 +158,22 @@ def test_max_min_with_dim_send_the_gradient_to_the_first_extreme(function):
     check_against_torch(model, function, {"x": x}, ["x"], upstream)
 
 
+@pytest.mark.parametrize("function", [lambda x: x.gather(1, x.argmax(1, keepdim=True)),
+                                      lambda x: x.gather(0, x.argmin(0).unsqueeze(0)),
+                                      lambda x: x.reshape(-1).gather(0, x.argmax().reshape(1)),
+                                      lambda x: x.reshape(-1).gather(0, x.argmin(keepdim=True).reshape(1)),
+                                      lambda x: x[:, 1:2].gather(1, x[:, 1:2].argmax(1, keepdim=True))],
+                         ids=["argmax(dim, keepdim)", "argmin(dim)", "argmax()", "argmin(keepdim)", "size-1 axis"])  # fmt: skip
+def test_argmax_argmin_pick_the_first_nan_then_the_first_extreme(function):
+    """torch.argmax/argmin: the first NaN of a slice holding one (ONNX Runtime's ArgMax skips a NaN
+    that does not come first), else the first of tied extremes; the value gathered there alone
+    gets the gradient."""
+    x = _slices()
+    upstream = upstream_like(function(torch.tensor(x)).shape)
+    model = exported_model(function, {"x": x}, upstream, ["x"])
+    check_against_torch(model, function, {"x": x}, ["x"], upstream)
+
+
 def _reductions():
     x = np.array([[1.0, -2.0, 0.0], [1e-30, -1e-30, 0.0], [1e19, 2e19, -1e19], [np.inf, 1.0, 2.0], [0.0, -0.0, 0.0]], np.float32)
     return {
