@@ -67,8 +67,12 @@ class Runtime:
         self.train_session.allocate_outputs([entry.name for entry in model_desc.outputs] + embedding_outputs)
         self.aliases, self.unexported_state, self.batch_counters = {}, {}, {}
         self.reference = self.export_sample = self.index_ranges = None
+        self.empty_inputs = []
 
     def bind_batch(self, bound, inputs) -> None:
+        """Bind the batch's inputs; a run that fails names those of them that are empty (``run_error``)."""
+        self.empty_inputs = [f"input '{entry.name}' of shape {tuple(tensor.shape)}"
+                             for entry, tensor in zip(self.model_desc.inputs, inputs) if 0 in tensor.shape]  # fmt: skip
         for entry, tensor in zip(self.model_desc.inputs, inputs):
             if entry.name in bound.input_names:
                 bound.bind_input(entry.name, tensor)
@@ -83,7 +87,7 @@ class Runtime:
             outputs = self.train_session.run()
         except RuntimeError as error:
             self.restore_batch_norms()
-            raise graph.run_error(error) from error
+            raise graph.run_error(error, self.empty_inputs) from error
         _check_values_per_channel(self.batch_norms)
         count = len(self.model_desc.outputs)
         return outputs[:count], outputs[count:]
@@ -110,7 +114,7 @@ class Runtime:
         try:
             return self.eval_session.run()
         except RuntimeError as error:
-            raise graph.run_error(error) from error
+            raise graph.run_error(error, self.empty_inputs) from error
 
     def check_batch(self, inputs) -> None:
         """Before any run: token ids and class targets inside the range torch accepts

@@ -968,15 +968,19 @@ class RunError(RuntimeError):
     """ONNX Runtime failed on a batch; the message names the op and the torch module it came from."""
 
 
-def run_error(error: Exception) -> RunError:
-    """ONNX Runtime's 'Non-zero status code returned while running X node. Name:...' as one readable line."""
+def run_error(error: Exception, empty_inputs=()) -> RunError:
+    """ONNX Runtime's 'Non-zero status code returned while running X node. Name:...' as one readable line;
+    ``empty_inputs`` (descriptions of the batch's inputs with a dimension of size 0) are named as the likely cause."""
     found = re.search(r"running (\S+) node\. Name:'([^']*)' Status Message: (.*)", str(error), re.DOTALL)
     if not found:
-        return RunError(f"ONNX Runtime failed on this batch: {error}")
-    op_type, node_name, status = found.groups()
-    where = module_path(node_name.split("_Grad/")[0])
-    status = status.strip().split(" ", 1)[-1] if status.startswith("/onnxruntime_src") else status.strip()
-    return RunError(
-        f"ONNX Runtime failed on this batch in {op_type} (node '{node_name}'" + (f", module '{where}'" if where else "")
-        + f"): {status}"
-    )
+        message = f"ONNX Runtime failed on this batch: {error}"
+    else:
+        op_type, node_name, status = found.groups()
+        where = module_path(node_name.split("_Grad/")[0])
+        status = status.strip().split(" ", 1)[-1] if status.startswith("/onnxruntime_src") else status.strip()
+        message = (f"ONNX Runtime failed on this batch in {op_type} (node '{node_name}'"
+                   + (f", module '{where}'" if where else "") + f"): {status}")  # fmt: skip
+    if empty_inputs:
+        message = (f"{message.rstrip('.')}. The batch is empty ({', '.join(empty_inputs)}): ONNX Runtime's kernels do "
+                   "not all take a dimension of size 0, where torch's do; leave empty batches out")  # fmt: skip
+    return RunError(message)

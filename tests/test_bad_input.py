@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from models import MLP, CNN, cnn_batch, mlp_batch
 from parity import cpu_options
 
-from orttrainer import GradientBuildError, ORTTrainer, ORTTrainerOptions, optim
+from orttrainer import GradientBuildError, ORTTrainer, ORTTrainerOptions, RunError, optim
 
 MLP_DESC = {"inputs": [("x", ["batch", 32]), ("label", ["batch"])], "outputs": [("loss", [], True), ("logits", ["batch", 10])]}
 
@@ -268,6 +268,23 @@ def test_onnx_runtime_failure_names_the_op_and_module_and_changes_nothing(capfd,
         graph_only.train_step(torch.randn(3, 6))
     assert_untouched(graph_only, before)
     assert "onnxruntime" not in capfd.readouterr().err
+
+
+def test_an_empty_batch_that_onnx_runtime_refuses_is_named_and_changes_nothing():
+    """torch trains on a batch of 0 rows; ONNX Runtime's Gemm gradient refuses one. The RunError says the
+    batch is empty and which input, the trainer is as it was, and the next batch trains."""
+    trainer = make_trainer()
+    x, label = mlp_batch()
+    trainer.train_step(x, label)
+    before = snapshot(trainer)
+    with pytest.raises(RunError, match=r"in Gemm .* The batch is empty \(input 'x' of shape \(0, 32\), input 'label' "
+                                       r"of shape \(0,\)\): .* leave empty batches out"):  # fmt: skip
+        trainer.train_step(x[:0], label[:0])
+    assert_untouched(trainer, before)
+    loss, logits = trainer.eval_step(x[:0], label[:0])  # evaluation runs, and gives torch's NaN mean over no rows
+    assert torch.isnan(loss) and logits.shape == (0, 10)
+    trainer.train_step(x, label)
+    assert trainer._train_step_info.step == before[0][0] + 1
 
 
 def test_missing_loss_fn_for_a_model_returning_logits_says_what_is_missing():
