@@ -451,6 +451,7 @@ def _build(onnx_model, model_desc, weights, trainable, options, device, provider
     graphs = graph.build_training_graphs(
         onnx_model, trainable, frozen, model_desc.loss_output.name, [entry.name for entry in model_desc.outputs],
         mixed_precision, on_cpu=device.type == "cpu", lookups=lookups, facts=facts, keep_for_torch=keep_for_torch,
+        recurrent_on_torch=_splits_for_torch(options, device),
     )  # fmt: skip
     _save_debug_graphs(graphs, options.debug.graph_save_paths)
     sessions = _open_sessions(graphs, device, providers, options, one_thread, convolutions)
@@ -491,7 +492,7 @@ def _open_sessions(graphs, device, providers, options, one_thread: bool, convolu
     On the CPU with ``convolutions`` (``_convolutions_on_torch``), a graph runs its convolutions and the
     ReLU gradients between them on torch's kernels (torch_convolutions.py); the segments between them run
     on one thread, where ONNX Runtime's second thread would only contend with torch's (benchmarks/NOTES.md
-    §18). LSTMs and GRUs run on torch's (torch_recurrent.py).
+    §18). LSTMs, GRUs and RNNs run on torch's (torch_recurrent.py).
     """
     debug, user = options.debug, options.session_options
 
@@ -513,7 +514,7 @@ def _open_sessions(graphs, device, providers, options, one_thread: bool, convolu
             cpu_kernels.use_exact_cpu_kernels(model, keep_op_types=replaced)
             defined_gradients.spell_forwards(model)
         if device.type == "cpu":
-            graph.refuse_one_direction_kernels(model)
+            graph.refuse_recurrent_layers_onnx_runtime_cannot_train(model)
         return open_session(model, optimized_model_path=optimized_model_path)
 
     try:  # only the training graph goes to the save path: the eval session would overwrite it

@@ -1,5 +1,6 @@
 """Gradients handed to onnxruntime-training's gradient builder for ops it has none for
-(HardSwish, torch's HardSigmoid, and the inverse trigonometric Atan, Asin, Acos).
+(HardSwish, torch's HardSigmoid, the inverse trigonometric Atan, Asin, Acos, and RNN, whose
+gradient is a placeholder torch runs: torch_recurrent.py).
 
 The builder accepts, per op type, a gradient definition: nodes that read the forward node's
 inputs ``I(i)`` and incoming gradients ``GO(i)`` and write the gradients of its inputs
@@ -25,6 +26,7 @@ import json
 import onnx
 from onnxruntime.capi import _pybind_state as _ort
 
+from . import torch_recurrent
 from .rewrites import NodeBuilder, is_torch_hard_sigmoid, replace_nodes
 
 
@@ -88,15 +90,24 @@ def _arc_sine_gradient(sign: str) -> list:
     ] + ([] if sign == "+" else [("Neg", ["positive"], ["GI(0)"])])
 
 
+# An RNN's gradient: one placeholder node that torch's autograd runs in a split session (torch_recurrent.py), reading
+# the forward's inputs, its Y_h (which pairs the two) and the gradients of Y and Y_h
+_RNN_GRADIENT = [
+    ((torch_recurrent.RNN.backward, torch_recurrent.ATEN_DOMAIN), ["I(0)", "I(1)", "I(2)", "I(3)", "I(4)", "I(5)", "O(1)", "GO(0)", "GO(1)"],
+     ["GI(0)", "GI(1)", "GI(2)", "GI(3)", "GI(5)"], {"operator": {"value": torch_recurrent.RNN_GRADIENT, "dtype": "string"}}),
+]  # fmt: skip
+
 GRADIENT_DEFINITIONS = {"HardSwish": _HARD_SWISH_GRADIENT, "HardSigmoid": _HARD_SIGMOID_GRADIENT, "Atan": _ATAN_GRADIENT,
-                        "Asin": _arc_sine_gradient("+"), "Acos": _arc_sine_gradient("-")}  # fmt: skip
+                        "Asin": _arc_sine_gradient("+"), "Acos": _arc_sine_gradient("-"), "RNN": _RNN_GRADIENT}  # fmt: skip
 
 _registered = set()
 
 
 def _node_definition(op_type, inputs, outputs, attributes=None):
+    """``op_type``: an ONNX op's name, or (name, domain)."""
     definition = _ort.GradientNodeDefinition()
-    definition.op_type, definition.domain, definition.inputs, definition.outputs = op_type, "", inputs, outputs
+    definition.op_type, definition.domain = op_type if isinstance(op_type, tuple) else (op_type, "")
+    definition.inputs, definition.outputs = inputs, outputs
     definition.attributes = [_attribute_definition(name, value) for name, value in (attributes or {}).items()]
     return definition
 

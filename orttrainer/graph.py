@@ -136,11 +136,18 @@ def describe_node(node: onnx.NodeProto) -> str:
     return f"{node.op_type} (node '{node.name}'" + (f", module '{where}')" if where else ")")
 
 
-def refuse_one_direction_kernels(model: onnx.ModelProto) -> None:
-    """Raise GradientBuildError for an LSTM or GRU going the other way through its sequence, before
-    onnxruntime-training 1.19's CPU kernels refuse it at session creation (they take the forward
-    direction only, docs/stack_facts.md). Called for training graphs that stay on ONNX Runtime."""
+def refuse_recurrent_layers_onnx_runtime_cannot_train(model: onnx.ModelProto) -> None:
+    """Raise GradientBuildError for a recurrent layer onnxruntime-training 1.19's CPU kernels cannot
+    train, before they fail at session creation or in a run: an LSTM or GRU going the other way through
+    its sequence (they take the forward direction only, docs/stack_facts.md), and an RNN, whose
+    gradient node is a placeholder only torch runs (torch_recurrent.py). Called for training graphs
+    that stay on ONNX Runtime."""
     for node in model.graph.node:
+        if torch_recurrent.kind_of(node) is torch_recurrent.RNN and node.op_type == torch_recurrent.RNN.backward:
+            forward = node.name.split("_Grad/")[0]
+            raise GradientBuildError(f"RNN (node '{forward}'" + (f", module '{module_path(forward)}'" if module_path(forward) else "")
+                                     + f"): this graph cannot be split for torch's kernels (it holds control flow, or an output no node "
+                                     f"computes){_RNN_HINT}")  # fmt: skip
         if node.op_type in ("LSTMTraining", "GRUTraining"):
             direction = torch_recurrent.direction(node)
             if direction != "forward":
@@ -498,16 +505,19 @@ def weights_reaching_loss(model: onnx.ModelProto, weight_names, loss_name: str, 
     return [name for name in weight_names if name in read]
 
 
-def make_differentiable(model: onnx.ModelProto, weight_names, loss_name: str, facts: TensorFacts = None) -> None:
+def make_differentiable(model: onnx.ModelProto, weight_names, loss_name: str, facts: TensorFacts = None,
+                        recurrent_on_torch: bool = False) -> None:
     """Rewrite (rewrites.py) the ops between weights and loss that have no usable gradient, then
     raise one GradientBuildError listing every op on that path that still has none.
 
     A rewrite keeps its node's inputs and outputs, so the path found before rewriting holds after. The path does
-    not pass a detach (``stop_gradients`` cuts them later, after a conversion to float16).
+    not pass a detach (``stop_gradients`` cuts them later, after a conversion to float16). With
+    ``recurrent_on_torch`` (the graph will be split for torch's recurrent kernels) an RNN torch can run trains.
     """
     on_path = _nodes_between(model, weight_names, loss_name, facts)
-    without_gradient = [(node.name, describe_node(node)) for node in on_path
-                        if node.op_type in OPS_WITHOUT_GRADIENT and not rewrites.is_torch_hard_sigmoid(node)]  # fmt: skip
+    without_gradient = [(node.name, describe_node(node) + _RNN_HINT * (node.op_type == "RNN")) for node in on_path
+                        if node.op_type in OPS_WITHOUT_GRADIENT and not rewrites.is_torch_hard_sigmoid(node)
+                        and not (recurrent_on_torch and _torch_trains_rnn(node))]  # fmt: skip
     untrainable_inputs = _untrainable_inputs(on_path, weight_names)
     try:
         rewritten = set(rewrites.rewrite_for_training(model, only_between={node.name for node in on_path}))
@@ -523,6 +533,16 @@ def make_differentiable(model: onnx.ModelProto, weight_names, loss_name: str, fa
     if missing:
         listed = "; ".join(missing)
         raise GradientBuildError(f"onnxruntime-training has no gradient for these ops between the weights and the loss: {listed}")
+
+
+_RNN_HINT = (" (an RNN trains on torch's kernels only, which orttrainer uses on the CPU in float32, without mixed precision "
+             "or debug.graph_save_paths.model_with_training_graph_after_optimization_path, for a tanh or relu RNN over "
+             "sequences of full length)")  # fmt: skip
+
+
+def _torch_trains_rnn(node: onnx.NodeProto) -> bool:
+    """An RNN node torch's kernels compute, with its six inputs (its gradient's definition reads them by position)."""
+    return node.op_type == "RNN" and len(node.input) == 6 and torch_recurrent.torch_can_run(node)
 
 
 _DETACHED_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
@@ -717,7 +737,7 @@ def _quiet_session_options() -> onnxruntime.SessionOptions:
 
 def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name: str, output_names,
                           mixed_precision: bool = False, on_cpu: bool = False, lookups=None,
-                          facts: TensorFacts = None, keep_for_torch=()) -> TrainingGraphs:
+                          facts: TensorFacts = None, keep_for_torch=(), recurrent_on_torch: bool = False) -> TrainingGraphs:
     """Build the training graph (outputs, running stats, gradients) and the eval graph.
 
     ``forward`` is the forward+loss graph with weights as initializers; ``trainable``
@@ -727,7 +747,8 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     replaces, in float32 graphs, kernels measured slow there by fast equivalents and ones that
     differ from torch's by exact ones (``cpu_kernels``), but for the op types ``keep_for_torch``
     (torch's kernels will run them, torch_convolutions.py), which also keep their forward nodes of a
-    defined gradient unspelled (``defined_gradients.spell_forwards``).
+    defined gradient unspelled (``defined_gradients.spell_forwards``). ``recurrent_on_torch``: the sessions
+    will run recurrent layers on torch's kernels (torch_recurrent.py), so an RNN trains.
     ``lookups`` ({Gather node name: export.EmbeddingLookup}) carry torch's embedding gradient rules;
     ``facts`` (``infer_tensor_facts(forward)``), when the caller has them, spare an inference.
     """
@@ -740,7 +761,7 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     if mixed_precision:
         eval_model = to_mixed_precision(eval_model, [loss_name])
 
-    make_differentiable(model, trainable, loss_name, facts)
+    make_differentiable(model, trainable, loss_name, facts, recurrent_on_torch)
     if on_cpu and not mixed_precision:
         cpu_kernels.pool_before_relu(model)
     input_names = {graph_input.name for graph_input in model.graph.input}
@@ -767,6 +788,7 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     except RuntimeError as error:
         raise _builder_error(error, optimized.graph) from error
     train_model = onnx.load_from_string(builder.get_model())
+    torch_recurrent.complete_rnn_gradients(train_model)
     drop_empty_broadcast_reductions(train_model, forward)
     defined_gradients.zero_gradient_at_bounds(train_model)
     defined_gradients.spell_forwards(train_model, keep_for_torch)

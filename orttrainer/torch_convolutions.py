@@ -458,6 +458,7 @@ class SplitSession:
         self._inputs, self._bound_outputs, self._allocated = {}, {}, []
         self._recordings = {}  # what a recurrent layer's forward step leaves for its gradient step
         self._folded = torch_recurrent.fold_gate_reordering(model)  # {forward node name: roles in torch's layout}
+        self._recurrent_pairs = torch_recurrent.pairs(model.graph.node)  # {forward node name: gradient node}
         self.on_torch = torch_nodes(model.graph.node, convolutions)
         self._plan()
         read_on_torch = {name for step in self._steps if not isinstance(step, _Segment) for name in step.inputs}
@@ -495,14 +496,14 @@ class SplitSession:
             return _NODE_STEPS[node.op_type](node)
         if node.op_type in TORCH_OPS:
             return _Convolution(node)
-        kind = torch_recurrent.KINDS.get(node.op_type)
+        kind = torch_recurrent.kind_of(node)
         if kind is None:
             return torch_ops.step(node)
-        if node.op_type == kind.inference:
-            return torch_recurrent.RecurrentInference(node)
-        if node.op_type == kind.forward:
+        if node.name in self._recurrent_pairs:  # an RNN's forward op is also its inference op
             return torch_recurrent.RecurrentForward(node, self._recordings, self._folded.get(node.name, ()))
-        return torch_recurrent.RecurrentBackward(node, self._recordings)
+        if node.op_type == kind.backward:
+            return torch_recurrent.RecurrentBackward(node, self._recordings)
+        return torch_recurrent.RecurrentInference(node)
 
     def _segment(self, nodes, inputs, outputs) -> _Segment:
         all_threads = not self._convolutions or any(node.op_type in TORCH_OPS for node in nodes)

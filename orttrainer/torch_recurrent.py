@@ -1,4 +1,4 @@
-"""A graph's LSTMs and GRUs on torch's kernels, inside a split session (torch_convolutions.py).
+"""A graph's LSTMs, GRUs and RNNs on torch's kernels, inside a split session (torch_convolutions.py).
 
 onnxruntime-training 1.19's CPU ``LSTMGrad`` and ``GRUGrad`` take several times torch's whole
 step (benchmarks/NOTES.md §21), and its ``GRUTraining`` takes only one direction. The training
@@ -9,6 +9,12 @@ and the values ONNX Runtime's kernels would pass between the two (cell states, g
 are not made. The eval graph's ``LSTM`` / ``GRU`` nodes run as the same call without autograd, so
 evaluation computes what the trained layer computes (ONNX Runtime's kernels use an approximate
 sigmoid, docs/stack_facts.md).
+
+onnxruntime-training has no gradient at all for ``RNN`` (``nn.RNN``). Its gradient is given to the
+builder as one placeholder node (``RNN_GRADIENT``, defined_gradients.py) that ONNX Runtime never runs:
+the training graph's ``RNN`` runs as ``aten::rnn_tanh`` / ``aten::rnn_relu``, recorded, and the
+placeholder as torch's autograd, as for the other two. So an RNN trains only where the graph is split
+for torch (on the CPU in float32); elsewhere graph.make_differentiable refuses it.
 
 ONNX orders the gates of an LSTM input, output, forget, cell (torch: i, f, g, o) and of a GRU
 update, reset, hidden (torch: r, z, n), and lays outputs out as [sequence, direction, batch,
@@ -38,8 +44,8 @@ class _Kind:
     gradient_outputs: tuple  # the forward inputs whose gradients the gradient node writes, in order
     results: int  # outputs torch computes (Y, Y_h[, Y_c]); the forward's later ones are for the gradient node only
     gates: list  # ONNX's gate chunks in torch's order
-    call: object  # torch.lstm or torch.gru
-    activations: str  # the gate activations the forward's outputs after ``results`` hold: tells a pair apart
+    call: object  # torch.lstm or torch.gru; None for RNN, whose call its activation chooses (``_torch_call``)
+    activations: str  # the role of the forward's last output, which the gradient node reads: tells a pair apart
 
 
 LSTM = _Kind("LSTM", "LSTMTraining", "LSTMGrad", ("X", "W", "R", "B", "sequence_lens", "initial_h", "initial_c", "P"),
@@ -49,7 +55,13 @@ LSTM = _Kind("LSTM", "LSTMTraining", "LSTMGrad", ("X", "W", "R", "B", "sequence_
 GRU = _Kind("GRU", "GRUTraining", "GRUGrad", ("X", "W", "R", "B", "sequence_lens", "initial_h"),
             ("X", "W", "R", "B", "sequence_lens", "initial_h", "all_hidden", "zrh", "grad_Y", "grad_Y_h"),
             ("X", "W", "R", "B", "initial_h"), 2, [1, 0, 2], torch.gru, "zrh")  # fmt: skip
-KINDS = {op_type: kind for kind in (LSTM, GRU) for op_type in (kind.inference, kind.forward, kind.backward)}
+# the gradient placeholder's ``operator`` (an ATen node: a schema ONNX Runtime knows, with inputs and outputs of any type)
+RNN_GRADIENT, ATEN_DOMAIN = "orttrainer::RNNGrad", "org.pytorch.aten"
+RNN = _Kind("RNN", "RNN", "ATen", ("X", "W", "R", "B", "sequence_lens", "initial_h"),
+            ("X", "W", "R", "B", "sequence_lens", "initial_h", "Y_h", "grad_Y", "grad_Y_h"),
+            ("X", "W", "R", "B", "initial_h"), 2, [0], None, "Y_h")  # fmt: skip
+_KINDS = {op_type: kind for kind in (LSTM, GRU) for op_type in (kind.inference, kind.forward, kind.backward)} | {"RNN": RNN}
+_RNN_CALLS = {"tanh": torch.rnn_tanh, "relu": torch.rnn_relu}
 _DIRECTIONS = ("forward", "reverse", "bidirectional")
 _WEIGHTS = ("W", "R", "B")  # the roles whose gradients the gradient step reorders from torch's layout
 _FOLDED = ("W", "R")  # the roles whose exporter reordering fold_gate_reordering takes out
@@ -65,39 +77,73 @@ def _attributes(node: onnx.NodeProto) -> dict:
     return {"direction": "forward", **node_attributes(node)}
 
 
+def kind_of(node: onnx.NodeProto):
+    """The LSTM, GRU or RNN kind of a recurrent node or of its gradient (an RNN's: the ``RNN_GRADIENT`` placeholder), else None."""
+    if node.op_type == RNN.backward:
+        return RNN if node.domain == ATEN_DOMAIN and node_attributes(node).get("operator") == RNN_GRADIENT else None
+    return _KINDS.get(node.op_type)
+
+
+def _domain(kind: _Kind, node: onnx.NodeProto) -> str:
+    """The domain ``node`` of ``kind`` has: ONNX's for the inference op, the ATen op's for the RNN placeholder,
+    onnxruntime-training's for LSTMTraining, LSTMGrad and their GRU twins."""
+    if node.op_type == kind.inference:
+        return ""
+    return ATEN_DOMAIN if node.op_type == RNN.backward else "com.microsoft"
+
+
+def _rnn_activation(attributes: dict):
+    """An RNN node's one activation in lower case ("tanh", "relu", ...), None if its directions differ."""
+    found = {name.decode() if isinstance(name, bytes) else name for name in attributes.get("activations", [b"Tanh"])}
+    return found.pop().lower() if len(found) == 1 else None
+
+
+def _torch_call(node: onnx.NodeProto):
+    """torch's function computing ``node``'s layer: torch.lstm, torch.gru, torch.rnn_tanh or torch.rnn_relu."""
+    kind = kind_of(node)
+    return kind.call or _RNN_CALLS[_rnn_activation(_attributes(node))]
+
+
 def direction(node: onnx.NodeProto) -> str:
     """forward, reverse or bidirectional."""
     return _attributes(node)["direction"]
 
 
 def torch_can_run(node: onnx.NodeProto) -> bool:
-    """An LSTM or GRU node (inference, training forward or gradient) torch computes: default
-    activations, no clipping, sequence first, every sequence the full length; an LSTM without
-    coupled input-forget gate or peepholes, a GRU applying the reset gate after the hidden
-    weights (``nn.GRU``'s form)."""
-    kind = KINDS.get(node.op_type)
-    if kind is None or node.domain != ("com.microsoft" if node.op_type != kind.inference else ""):
+    """An LSTM, GRU or RNN node (inference, training forward or gradient) torch computes: default
+    activations (an RNN's tanh or relu, the same in both directions), no clipping, sequence first,
+    every sequence the full length; an LSTM without coupled input-forget gate or peepholes, a GRU
+    applying the reset gate after the hidden weights (``nn.GRU``'s form)."""
+    kind = kind_of(node)
+    if kind is None or node.domain != _domain(kind, node):
         return False
     attributes = _attributes(node)
+    if kind is RNN and node.op_type == RNN.forward:
+        if _rnn_activation(attributes) not in _RNN_CALLS:
+            return False
+        attributes.pop("activations", None)
     plain = not {"activations", "activation_alpha", "activation_beta", "clip"} & set(attributes)
     plain = plain and attributes.get("layout", 0) == 0
     roles = _named(node.input, kind.gradient_inputs if node.op_type == kind.backward else kind.forward_inputs)
-    gates = attributes.get("input_forget", 0) == 0 if kind is LSTM else attributes.get("linear_before_reset", 0) == 1
+    if kind is LSTM:
+        gates = attributes.get("input_forget", 0) == 0
+    else:
+        gates = kind is RNN or attributes.get("linear_before_reset", 0) == 1
     return attributes["direction"] in _DIRECTIONS and plain and gates and not {"sequence_lens", "P"} & set(roles)
 
 
 def pairs(nodes) -> dict:
-    """{forward node name: gradient node} for the LSTMs and GRUs torch can run both ways; the
-    gradient reads the forward's gate activations, which tells them apart, and writes
-    gradients only of inputs the forward has."""
+    """{forward node name: gradient node} for the LSTMs, GRUs and RNNs torch can run both ways; the
+    gradient reads the forward's last output (an LSTM's or GRU's gate activations, an RNN's Y_h),
+    which tells them apart, and writes gradients only of inputs the forward has."""
     forwards = {}
     for node in nodes:
-        kind = KINDS.get(node.op_type)
-        if kind is not None and node.op_type == kind.forward and len(node.output) > kind.results and node.output[-1]:
+        kind = kind_of(node)
+        if kind is not None and node.op_type == kind.forward and node.output and node.output[-1]:
             forwards[node.output[-1]] = node
     found = {}
     for node in nodes:
-        kind = KINDS.get(node.op_type)
+        kind = kind_of(node)
         if kind is None or node.op_type != kind.backward:
             continue
         activations = _named(node.input, kind.gradient_inputs).get(kind.activations)
@@ -111,9 +157,31 @@ def pairs(nodes) -> dict:
 
 
 def torch_nodes(nodes) -> set:
-    """Names of the LSTM and GRU nodes torch runs: training pairs (``pairs``) and inference nodes."""
+    """Names of the LSTM, GRU and RNN nodes torch runs: training pairs (``pairs``) and inference nodes."""
     names = {name for forward, backward in pairs(nodes).items() for name in (forward, backward.name)}
-    return names | {node.name for node in nodes if node.op_type in (LSTM.inference, GRU.inference) and torch_can_run(node)}
+    return names | {node.name for node in nodes if node.op_type in (LSTM.inference, GRU.inference, RNN.inference)
+                    and torch_can_run(node)}  # fmt: skip
+
+
+def complete_rnn_gradients(model: onnx.ModelProto) -> None:
+    """Mend, in place, each RNN gradient placeholder as the builder left it from its definition
+    (defined_gradients.py): the incoming gradients no node computes are left out (it reads both Y's and
+    Y_h's, and a model may use one), and it writes the gradient of its initial state when a node reads it
+    (the builder, counting the absent sequence_lens out, writes none: its name is '<initial_h>_grad')."""
+    produced = {name for node in model.graph.node for name in node.output} | {i.name for i in model.graph.input}
+    produced |= {initializer.name for initializer in model.graph.initializer}
+    read = {name for node in model.graph.node for name in node.input} | {output.name for output in model.graph.output}
+    for node in model.graph.node:
+        if kind_of(node) is not RNN or node.op_type != RNN.backward:
+            continue
+        for index, name in enumerate(node.input):
+            if name and name not in produced:
+                node.input[index] = ""
+        inputs = _named(node.input, RNN.gradient_inputs)
+        for index, role in enumerate(RNN.gradient_outputs):
+            gradient = f"{inputs[role]}_grad" if role in inputs else None
+            if not node.output[index] and gradient in read and gradient not in produced:
+                node.output[index] = gradient
 
 
 def fold_gate_reordering(model: onnx.ModelProto) -> dict:
@@ -141,7 +209,7 @@ def fold_gate_reordering(model: onnx.ModelProto) -> dict:
         forward = forwards[forward_name]
         if _attributes(forward)["direction"] == "bidirectional":
             continue
-        kind, hidden = KINDS[forward.op_type], _attributes(forward)["hidden_size"]
+        kind, hidden = kind_of(forward), _attributes(forward)["hidden_size"]
         for role in _FOLDED:
             chain = _weight_chain(forward, backward, role, kind, hidden, producers, readers, constants)
             if chain is None:
@@ -272,8 +340,9 @@ def onnx_parameter_gradients(kind: _Kind, gradients, with_bias: bool, folded=())
     return result
 
 
-def _run_layer(kind: _Kind, x, parameters, with_bias: bool, initial_states, direction: str, hidden: int):
-    """ONNX's LSTM or GRU (layout 0) computed by torch on :func:`torch_parameters`: (Y, Y_h[, Y_c]) in ONNX's layout.
+def _run_layer(kind: _Kind, call, x, parameters, with_bias: bool, initial_states, direction: str, hidden: int):
+    """ONNX's LSTM, GRU or RNN (layout 0) computed by torch's ``call`` on :func:`torch_parameters`: (Y, Y_h[, Y_c]) in
+    ONNX's layout.
 
     ``initial_states``: (initial_h[, initial_c]), each None for zeros.
     """
@@ -283,22 +352,24 @@ def _run_layer(kind: _Kind, x, parameters, with_bias: bool, initial_states, dire
     states = tuple(zeros if state is None else state for state in initial_states)
     inputs = x.flip(0) if direction == "reverse" else x
     hx = states if kind is LSTM else states[0]
-    output, *last = kind.call(inputs, hx, parameters, with_bias, 1, 0.0, True, directions == 2, False)
+    output, *last = call(inputs, hx, parameters, with_bias, 1, 0.0, True, directions == 2, False)
     if direction == "reverse":
         output = output.flip(0)
     return (output.view(sequence, batch, directions, hidden).transpose(1, 2).contiguous(), *last)
 
 
-def recurrent(kind: _Kind, x, w, r, b, initial_states, direction: str, hidden: int):
-    """ONNX's LSTM or GRU (layout 0) on ONNX's W, R[, B], computed by torch: (Y, Y_h[, Y_c]) in ONNX's layout."""
-    return _run_layer(kind, x, torch_parameters(kind, w, r, b, hidden), b is not None, initial_states, direction, hidden)
+def recurrent(kind: _Kind, x, w, r, b, initial_states, direction: str, hidden: int, call=None):
+    """ONNX's LSTM, GRU or RNN (layout 0) on ONNX's W, R[, B], computed by torch: (Y, Y_h[, Y_c]) in ONNX's layout.
+    ``call``: the torch function, for an RNN (torch.rnn_tanh or torch.rnn_relu)."""
+    parameters = torch_parameters(kind, w, r, b, hidden)
+    return _run_layer(kind, call or kind.call, x, parameters, b is not None, initial_states, direction, hidden)
 
 
 class RecurrentInference:
-    """An LSTM or GRU node (the eval graph's) as torch's call, without autograd."""
+    """An LSTM, GRU or RNN node (the eval graph's) as torch's call, without autograd."""
 
     def __init__(self, node: onnx.NodeProto):
-        self.kind, self.node = KINDS[node.op_type], node
+        self.kind, self.node, self.call = kind_of(node), node, _torch_call(node)
         attributes = _attributes(node)
         self.direction, self.hidden = attributes["direction"], attributes["hidden_size"]
         self.roles = _named(node.input, self.kind.forward_inputs)
@@ -313,12 +384,13 @@ class RecurrentInference:
         tensors = {role: values[name] for role, name in self.roles.items()}
         with torch.no_grad():
             results = recurrent(self.kind, tensors["X"], tensors["W"], tensors["R"], tensors.get("B"), self._states(tensors),
-                                self.direction, self.hidden)  # fmt: skip
+                                self.direction, self.hidden, self.call)  # fmt: skip
         return {name: result for name, result in zip(self.node.output, results) if name}
 
 
 class RecurrentForward(RecurrentInference):
-    """An LSTMTraining or GRUTraining node as torch's call, recorded for its gradient step (``recordings``: shared).
+    """An LSTMTraining, GRUTraining or training RNN node as torch's call, recorded for its gradient step
+    (``recordings``: shared).
 
     The recording's leaves are the weights in torch's layout (:func:`torch_parameters`, fresh tensors), not
     ONNX's: autograd through the reordering cost ~0.3 ms a step more than reordering the gradients once
@@ -337,8 +409,8 @@ class RecurrentForward(RecurrentInference):
             leaves = {role: tensor.detach().requires_grad_() for role, tensor in tensors.items() if role not in _WEIGHTS}
             for parameter in parameters:
                 parameter.requires_grad_()
-            results = _run_layer(self.kind, leaves["X"], parameters, "B" in tensors, self._states(leaves), self.direction,
-                                self.hidden)  # fmt: skip
+            results = _run_layer(self.kind, self.call, leaves["X"], parameters, "B" in tensors, self._states(leaves),
+                                 self.direction, self.hidden)  # fmt: skip
         self.recordings[self.node.output[-1]] = (leaves, parameters, "B" in tensors, self.folded, results)
         produced = dict(zip(self.node.output[: self.kind.results], (result.detach() for result in results)))
         placeholder = tensors["X"].new_empty(0)  # states and gate activations: read only by the gradient step
@@ -347,10 +419,10 @@ class RecurrentForward(RecurrentInference):
 
 
 class RecurrentBackward:
-    """An LSTMGrad or GRUGrad node: the gradients of the recorded forward's inputs, by torch's autograd."""
+    """An LSTMGrad, GRUGrad or RNN gradient node: the gradients of the recorded forward's inputs, by torch's autograd."""
 
     def __init__(self, node: onnx.NodeProto, recordings: dict):
-        self.kind, self.node, self.recordings = KINDS[node.op_type], node, recordings
+        self.kind, self.node, self.recordings = kind_of(node), node, recordings
         self.roles = _named(node.input, self.kind.gradient_inputs)
         self.inputs = list(self.roles.values())
         self.outputs = [name for name in node.output if name]

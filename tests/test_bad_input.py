@@ -139,13 +139,20 @@ def test_export_failure_is_wrapped_and_chained():
 
 
 def test_op_without_gradient_names_op_and_module():
+    class Sampler(nn.Module):  # grid_sample: onnxruntime-training has no gradient for GridSample
+        def forward(self, x):
+            image = x.reshape(x.shape[0], 1, 5, 8)
+            grid = torch.tanh(x[:, :, :4]).reshape(x.shape[0], 5, 2, 2)
+            return F.grid_sample(image, grid, align_corners=False).reshape(x.shape[0], 5, 2)
+
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
-            self.rnn = nn.RNN(8, 8, batch_first=True)
+            self.sampler = Sampler()
+            self.out = nn.Linear(2, 8)
 
         def forward(self, x):
-            return self.rnn(x)[0]
+            return self.out(self.sampler(x))
 
     class WithRNN(nn.Module):
         def __init__(self):
@@ -159,7 +166,7 @@ def test_op_without_gradient_names_op_and_module():
 
 
     trainer = make_trainer(model=WithRNN(), loss_fn=F.mse_loss)
-    with pytest.raises(GradientBuildError, match=r"no gradient for these ops .*: RNN \(node '/model/block/rnn/RNN', module 'block.rnn'\)"):
+    with pytest.raises(GradientBuildError, match=r"no gradient for these ops .*: GridSample \(node '/model/block/sampler/GridSample', module 'block.sampler'\)"):
         trainer.train_step(torch.randn(3, 5, 4), torch.randn(3, 5))
     assert trainer._training_session is None
 
