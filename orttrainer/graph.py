@@ -745,7 +745,8 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     With ``mixed_precision`` both graphs compute in float16, and the gradients are those
     of the loss times the ``LOSS_SCALE_INPUT`` input. ``on_cpu`` (the graphs run on the CPU)
     replaces, in float32 graphs, kernels measured slow there by fast equivalents and ones that
-    differ from torch's by exact ones (``cpu_kernels``), but for the op types ``keep_for_torch``
+    differ from torch's by exact ones (``cpu_kernels``), and writes grouped 1-d and 3-d convolutions in a form
+    whose gradient ONNX Runtime's CPU kernel computes in bounds (``rewrites.grouped_convolutions``), but for the op types ``keep_for_torch``
     (torch's kernels will run them, torch_convolutions.py), which also keep their forward nodes of a
     defined gradient unspelled (``defined_gradients.spell_forwards``). ``recurrent_on_torch``: the sessions
     will run recurrent layers on torch's kernels (torch_recurrent.py), so an RNN trains.
@@ -762,6 +763,8 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
         eval_model = to_mixed_precision(eval_model, [loss_name])
 
     make_differentiable(model, trainable, loss_name, facts, recurrent_on_torch)
+    if on_cpu:
+        rewrites.grouped_convolutions(model)
     if on_cpu and not mixed_precision:
         cpu_kernels.pool_before_relu(model)
     input_names = {graph_input.name for graph_input in model.graph.input}

@@ -1272,11 +1272,6 @@ def conv_transpose(build):
     strides, dilations, pads, extra = (list(build.attribute(name, [default] * count)) for name, default, count in
                                        (("strides", 1, dims), ("dilations", 1, dims), ("pads", 0, 2 * dims),
                                         ("output_padding", 0, dims)))  # fmt: skip
-    one_dimensional = dims == 1
-    if one_dimensional:  # as a 2-d one over [N, C, 1, L]: ONNX Runtime 1.19's 1-d grouped ConvGrad gave wrong weight gradients here
-        x, weight = build.unsqueeze(x, [2]), build.unsqueeze(weight, [2])
-        shape, strides, dilations, extra = shape[:2] + [1] + shape[2:], [1, *strides], [1, *dilations], [0, *extra]
-        pads, dims = [0, pads[0], 0, pads[1]], 2
     kernel, groups = shape[2:], build.attribute("group", 1)
     if any(stride > 1 for stride in strides):
         x = _interleaved_with_zeros(build, x, strides)
@@ -1286,10 +1281,54 @@ def conv_transpose(build):
     if any(before + after):
         x = build.op("Pad", [x, build.const([0, 0, *before, 0, 0, *after], np.int64)])
     inputs = [x, _transposed_kernel(build, weight, shape, groups), *build.node.input[2:3]]
-    result = build.op("Conv", inputs, None if one_dimensional else _output(build), dilations=dilations, group=groups,
-                      kernel_shape=kernel, pads=[0] * 2 * dims, strides=[1] * dims)  # fmt: skip
-    if one_dimensional:
-        build.squeeze(result, [2], _output(build))
+    build.op("Conv", inputs, _output(build), dilations=dilations, group=groups, kernel_shape=kernel, pads=[0] * 2 * dims,
+             strides=[1] * dims)  # fmt: skip
+
+
+def _as_two_dimensional(build, inputs, attributes):
+    """A 1-d Conv as a 2-d one over [N, C, 1, L]: its input and weight get a unit axis 2, which the output loses."""
+    spread = dict(attributes)
+    for name in ("kernel_shape", "strides", "dilations"):
+        if name in spread:
+            spread[name] = [1, *spread[name]]
+    if "pads" in spread:
+        spread["pads"] = [0, spread["pads"][0], 0, spread["pads"][1]]
+    x, weight, *bias = inputs
+    result = build.op("Conv", [build.unsqueeze(x, [2]), build.unsqueeze(weight, [2]), *bias], **spread)
+    build.squeeze(result, [2], _output(build))
+
+
+def grouped_convolution(build):
+    """A grouped Conv of one or three spatial axes, in a form whose gradient ONNX Runtime computes in
+    bounds: its CPU ConvGrad (onnxruntime-training 1.19.2) clears C x (input length) values of the input's
+    gradient from each group's start, so it writes zeros past the gradient's end, into whatever the
+    memory holds next (docs/stack_facts.md). A 1-d one becomes a 2-d one over [N, C, 1, L] (one Conv: the
+    kernel's 2-d path is right); a 3-d one, one Conv per group, concatenated. Same values either way."""
+    groups = build.attribute("group", 1)
+    x, weight, *bias = build.node.input
+    shape = build.static_dims(weight, range(len(build.shape(weight))))
+    if groups == 1 or len(shape) == 4:
+        return False
+    attributes = {name: build.attribute(name) for name in ("auto_pad", "kernel_shape", "strides", "dilations", "pads")
+                  if build.attribute(name) is not None}  # fmt: skip
+    if len(shape) == 3:
+        _as_two_dimensional(build, build.node.input, {**attributes, "group": groups})
+        return True
+    outputs = shape[0] // groups
+    parts = zip(_split(build, x, 1, [shape[1]] * groups), _split(build, weight, 0, [outputs] * groups),
+                _split(build, bias[0], 0, [outputs] * groups) if bias else [None] * groups)  # fmt: skip
+    results = [build.op("Conv", [part for part in group if part], **attributes) for group in parts]
+    build.op("Concat", results, _output(build), axis=1)
+    return True
+
+
+def grouped_convolutions(model: onnx.ModelProto) -> list:
+    """Replace, in place, each grouped Conv of one or three spatial axes by ``grouped_convolution``'s form; return the
+    rewritten node names. For training graphs whose convolution gradients ONNX Runtime's CPU kernels compute."""
+    targets = [node for node in model.graph.node if node.op_type == "Conv" and node_attribute(node, "group", 1) > 1]
+    if not targets:
+        return []
+    return replace_nodes(model, {"Conv": grouped_convolution}, targets, static_shapes(model, symbolic_shapes(model)))
 
 
 def _broadcast_dims(shapes):

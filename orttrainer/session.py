@@ -129,7 +129,9 @@ def device_providers(device: torch.device, mem_limit: int = 0, provider_options=
 # ONNX Runtime graph transformers no session of the trainer runs. MatMulScaleFusion: with it, the gradient of
 # Wav2Vec2's attention came out wrong (about half the out_proj weight gradient's norm) whenever the
 # gradients were written into the trainer's own buffers, and right when ONNX Runtime allocated them
-# (docs/stack_facts.md); the scalar multiplications it would fold cost nothing measurable (NOTES.md §37).
+# (docs/stack_facts.md); the scalar multiplications it would fold cost nothing measurable (NOTES.md §37). Most likely
+# the cause was ONNX Runtime's grouped 1-d ConvGrad writing past its end (Wav2Vec2's positional convolution), which
+# rewrites.grouped_convolution now avoids; the transformer stays off, as it costs nothing.
 _DISABLED_OPTIMIZERS = ["MatMulScaleFusion"]
 # Off in the sessions of graphs holding a cubic Resize: ONNX Runtime's CPU layout transformer moves a Transpose through
 # a cubic Resize of constant sizes or scales where the inverse Transpose follows (a table of position embeddings

@@ -341,6 +341,28 @@ def bart_generator():
     return transformers.BartForConditionalGeneration(config)
 
 
+def squeezebert_classifier():
+    """Grouped 1-d convolutions in place of every dense layer (groups 2): ONNX Runtime's CPU gradient of a grouped
+    1-d convolution wrote past its end (rewrites.grouped_convolution), which gave this model a loss of -0."""
+    import transformers
+
+    groups = dict.fromkeys(("q_groups", "k_groups", "v_groups", "post_attention_groups", "intermediate_groups", "output_groups"), 2)
+    config = transformers.SqueezeBertConfig(**{**_ENCODER, "intermediate_size": 36}, **groups, embedding_size=32,
+                                            max_position_embeddings=64, pad_token_id=0, num_labels=3)  # fmt: skip
+    return transformers.SqueezeBertForSequenceClassification(config)
+
+
+def convbert_classifier():
+    """Span-based dynamic convolution beside self-attention, through a depthwise separable 1-d convolution (a grouped
+    Conv1d; see squeezebert_classifier)."""
+    import transformers
+
+    config = transformers.ConvBertConfig(**{**_ENCODER, "num_attention_heads": 4}, embedding_size=32, head_ratio=2,
+                                         conv_kernel_size=3, num_groups=1, max_position_embeddings=64, pad_token_id=0,
+                                         num_labels=3)  # fmt: skip
+    return transformers.ConvBertForSequenceClassification(config)
+
+
 def bert_question_answering():
     """Start and end scores from one Linear, split(1, dim=-1) and squeeze(-1): the exporter writes an If for
     the squeeze of a dimension it cannot size (rewrites.fold_static_sizes)."""
@@ -415,7 +437,8 @@ def clip_model():
 def wav2vec2_audio_classifier():
     """Wav2Vec2 on raw audio: a strided Conv1d feature extractor with GroupNorm, a grouped positional
     convolution under weight norm, an attention encoder, mean pooling into a classifier. Its attention's
-    gradient came out wrong under ONNX Runtime's MatMulScaleFusion (session._DISABLED_OPTIMIZERS)."""
+    gradient came out wrong under ONNX Runtime's MatMulScaleFusion (session._DISABLED_OPTIMIZERS), most likely
+    from the grouped convolution's gradient writing past its end (rewrites.grouped_convolution)."""
     import transformers
 
     config = transformers.Wav2Vec2Config(
@@ -487,6 +510,8 @@ HUGGING_FACE_MODELS = {
     "vit-image-classifier": (vit_classifier, vit_batch, "images"),
     "wav2vec2-audio-classifier": (wav2vec2_audio_classifier, audio_batch, "audio"),
     "bert-question-answering": (bert_question_answering, question_answering_batch, "tokens"),
+    "squeezebert-grouped-conv1d-classifier": (squeezebert_classifier, classification_batch, "tokens"),
+    "convbert-depthwise-conv1d-classifier": (convbert_classifier, classification_batch, "tokens"),
     "whisper-speech-to-text": (whisper_speech_to_text, speech_batch, "audio"),
     "bloom-lm": (bloom_lm, causal_lm_batch, "tokens"),
     "efficientnet-image-classifier": (efficientnet_classifier, functools.partial(vit_batch, size=32), "images"),
