@@ -1285,14 +1285,42 @@ def conv_transpose(build):
              strides=[1] * dims)  # fmt: skip
 
 
+def _conv_attributes(build, x, weight_shape) -> dict:
+    """The Conv being replaced's kernel_shape, strides, dilations and pads, all explicit: ``auto_pad`` (SAME_UPPER,
+    SAME_LOWER, VALID) turned into the pads ONNX defines for it. A stride above 1 needs x's spatial sizes for SAME."""
+    kernel = list(build.attribute("kernel_shape") or weight_shape[2:])
+    dims = len(kernel)
+    strides, dilations = list(build.attribute("strides", [1] * dims)), list(build.attribute("dilations", [1] * dims))
+    auto_pad = build.attribute("auto_pad", "NOTSET")
+    pads = list(build.attribute("pads", [0] * 2 * dims)) if auto_pad == "NOTSET" else [0] * 2 * dims
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        lengths = build.static_dims(x, range(2, dims + 2)) if any(stride > 1 for stride in strides) else [None] * dims
+        for axis, (length, size, stride, dilation) in enumerate(zip(lengths, kernel, strides, dilations)):
+            reach = (size - 1) * dilation + 1
+            total = reach - 1 if stride == 1 else max(0, (-(-length // stride) - 1) * stride + reach - length)
+            less, more = total // 2, total - total // 2  # the odd one at the end for SAME_UPPER, at the start for SAME_LOWER
+            pads[axis], pads[dims + axis] = (less, more) if auto_pad == "SAME_UPPER" else (more, less)
+    return {"kernel_shape": kernel, "strides": strides, "dilations": dilations, "pads": pads}
+
+
+def convolution_pads(build):
+    """A Conv with ``auto_pad`` SAME_UPPER or SAME_LOWER (torch's ``padding='same'``) written with the pads it means:
+    onnxruntime-training 1.19.2's ConvGrad ignores ``auto_pad``, pads by nothing, and reads memory it never wrote
+    (docs/stack_facts.md), so a 'same' convolution's gradients were garbage. Same values."""
+    if build.attribute("auto_pad", "NOTSET") in ("NOTSET", "VALID"):
+        return False
+    x, weight = build.node.input[:2]
+    shape = build.static_dims(weight, range(len(build.shape(weight))))
+    build.op("Conv", list(build.node.input), _output(build), group=build.attribute("group", 1),
+             **_conv_attributes(build, x, shape))  # fmt: skip
+    return True
+
+
 def _as_two_dimensional(build, inputs, attributes):
     """A 1-d Conv as a 2-d one over [N, C, 1, L]: its input and weight get a unit axis 2, which the output loses."""
-    spread = dict(attributes)
+    spread = {**attributes, "pads": [0, attributes["pads"][0], 0, attributes["pads"][1]]}
     for name in ("kernel_shape", "strides", "dilations"):
-        if name in spread:
-            spread[name] = [1, *spread[name]]
-    if "pads" in spread:
-        spread["pads"] = [0, spread["pads"][0], 0, spread["pads"][1]]
+        spread[name] = [1, *attributes[name]]
     x, weight, *bias = inputs
     result = build.op("Conv", [build.unsqueeze(x, [2]), build.unsqueeze(weight, [2]), *bias], **spread)
     build.squeeze(result, [2], _output(build))
@@ -1309,8 +1337,7 @@ def grouped_convolution(build):
     shape = build.static_dims(weight, range(len(build.shape(weight))))
     if groups == 1 or len(shape) == 4:
         return False
-    attributes = {name: build.attribute(name) for name in ("auto_pad", "kernel_shape", "strides", "dilations", "pads")
-                  if build.attribute(name) is not None}  # fmt: skip
+    attributes = _conv_attributes(build, x, shape)
     if len(shape) == 3:
         _as_two_dimensional(build, build.node.input, {**attributes, "group": groups})
         return True
@@ -1458,6 +1485,7 @@ REWRITES = {
     "Sign": sign,
     "Einsum": einsum,
     "ConvTranspose": conv_transpose,
+    "Conv": convolution_pads,
     **dict.fromkeys(("Where", "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min"), broadcast_gradient),
 }
 

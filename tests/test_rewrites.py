@@ -690,3 +690,76 @@ def test_grouped_1d_and_3d_convolutions_train_like_torch_with_gradients_in_bound
                loss_fn=F.cross_entropy, options=options)  # fmt: skip
     gradients = _grouped_conv_gradients(onnx.load(path))
     assert gradients and all(rank == 4 for rank, _ in gradients), gradients
+
+
+# ---------------------------------------------------------------------------- auto_pad
+def test_onnx_runtimes_conv_gradient_ignores_auto_pad():
+    """The stack fact rewrites.convolution_pads works around (onnxruntime-training 1.19.2): ConvGrad of a Conv with
+    auto_pad SAME_UPPER pads by nothing, and its gradients are not those of the same Conv with the pads written out
+    (which are torch's). A release that fixes it fails here: the rewrite can go."""
+    generator = np.random.default_rng(0)
+    shapes = {"dY": [2, 4, 5, 5], "X": [2, 4, 5, 5], "W": [4, 1, 3, 3]}
+    feeds = {name: generator.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+
+    def gradients(**padding):
+        node = helper.make_node("ConvGrad", ["dY", "X", "W"], ["dX", "dW"], domain="com.microsoft", group=4,
+                                kernel_shape=[3, 3], strides=[1, 1], dilations=[1, 1], **padding)  # fmt: skip
+        graph = helper.make_graph([node], "conv_grad", [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in shapes.items()],
+                                  [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("dX", "dW")])  # fmt: skip
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+                                  ir_version=8)  # fmt: skip
+        return onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+    x, w = (torch.from_numpy(feeds[name]).requires_grad_() for name in ("X", "W"))
+    F.conv2d(x, w, padding=1, groups=4).backward(torch.from_numpy(feeds["dY"]))
+    written_out = gradients(pads=[1, 1, 1, 1])
+    np.testing.assert_allclose(written_out[0], x.grad.numpy(), atol=1e-4)
+    np.testing.assert_allclose(written_out[1], w.grad.numpy(), atol=1e-4)
+    assert not np.allclose(gradients(auto_pad="SAME_UPPER")[1], w.grad.numpy(), atol=1e-4)
+
+
+@pytest.mark.parametrize("auto_pad", ["SAME_UPPER", "SAME_LOWER", "VALID"])
+@pytest.mark.parametrize("kernel, stride, dilation, length", [(3, 1, 1, 7), (4, 1, 1, 6), (3, 2, 1, 7), (4, 3, 1, 8), (2, 2, 1, 5)])
+def test_a_conv_with_auto_pad_computes_the_same_with_its_pads_written_out(auto_pad, kernel, stride, dilation, length):
+    """rewrites.convolution_pads against ONNX Runtime's forward Conv, which follows auto_pad: odd and even kernels,
+    strides that leave a remainder, both SAME rules (the odd pad at the end or the start). (Its forward refuses
+    dilation with SAME; a dilated 'same' convolution trains against torch below.)"""
+    node = helper.make_node("Conv", ["x", "w"], ["y"], name="conv", auto_pad=auto_pad, kernel_shape=[kernel, kernel],
+                            strides=[stride, stride], dilations=[dilation, dilation])  # fmt: skip
+    generator = np.random.default_rng(1)
+    values = {"x": generator.standard_normal((1, 2, length, length + 1)).astype(np.float32),
+              "w": generator.standard_normal((3, 2, kernel, kernel)).astype(np.float32)}  # fmt: skip
+    graph = helper.make_graph([node], "conv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, values["x"].shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [numpy_helper.from_array(values["w"], "w")])  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    rewritten = copy.deepcopy(model)
+    assert rewrites.rewrite_for_training(rewritten) == ([] if auto_pad == "VALID" else ["conv"])
+    assert all(rewrites.node_attribute(node, "auto_pad", "NOTSET") in ("NOTSET", "VALID") for node in rewritten.graph.node)
+    expected, actual = (onnxruntime.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": values["x"]})[0]
+                        for m in (model, rewritten))  # fmt: skip
+    np.testing.assert_array_equal(actual, expected)
+
+
+class SameConvolutions(nn.Module):
+    """torch's padding='same' (exported as auto_pad SAME_UPPER): an odd kernel, an even dilated grouped 1-d one."""
+
+    def __init__(self):
+        super().__init__()
+        self.image = nn.Conv2d(3, 8, 3, padding="same")
+        self.line = nn.Conv1d(8, 8, 4, padding="same", dilation=2, groups=2)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.line(torch.relu(self.image(x)).mean(2)).mean(-1))
+
+
+@pytest.mark.parametrize("kernels", ["onnxruntime", "torch"])
+def test_same_padded_convolutions_train_like_torch(kernels):
+    """On ONNX Runtime's convolutions the gradients were garbage (its ConvGrad ignores auto_pad); the check is off,
+    so only the parity against torch's loop decides."""
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(2, 3, 6, 7, generator=generator), torch.randint(0, 3, (2,), generator=generator)) for _ in range(3)]
+    options = cpu_options({"utils": {"convolution_kernels": kernels}, "debug": {"check_against_torch": "off"}})
+    torch.manual_seed(0)
+    run_parity(SameConvolutions(), batches, optim.SGDConfig(lr=0.1), functools.partial(torch.optim.SGD, lr=0.1),
+               loss_fn=F.cross_entropy, options=options)  # fmt: skip
