@@ -678,19 +678,30 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
     except ExportError:
         raise
     except Exception as error:
+        # torch's own check of the output names comes first where the modes differ: say that, not what it says
+        mismatch = _outputs_differing_by_mode(model, wrapper, desc_outputs)
         first_line = str(error).strip().split("\n", 1)[0]  # the rest is a dump of the traced graph: in the cause below
-        raise ExportError(f"torch.onnx.export of {type(model).__name__} failed: {first_line}") from error
-    if len(wrapper.form.names) != len(desc_outputs):  # output names are given by position
-        raise ExportError(
-            f"{type(model).__name__} returns {wrapper.form.names} in training mode but "
-            f"{[name for name, _ in desc_outputs]} in eval mode or model_desc: return the same outputs in both modes"
-        )
+        raise mismatch or ExportError(f"torch.onnx.export of {type(model).__name__} failed: {first_line}") from error
+    mismatch = _outputs_differing_by_mode(model, wrapper, desc_outputs)
+    if mismatch:
+        raise mismatch
     exported = onnx.load_from_string(buffer.getvalue())
     _strip_wrapper_prefix(exported)
     lookups = resolve_markers(exported)
     rewrites.torch_pools(exported)  # first: torch's pools can make fewer windows than ONNX's, whose sizes folding reads
     rewrites.fold_static_sizes(exported, _module_tensor_names(model))
     return exported, lookups, heard.frozen_values
+
+
+def _outputs_differing_by_mode(model, wrapper, desc_outputs):
+    """An ExportError if the traced forward returned another number of outputs than the eval-mode run or
+    model_desc named (names are given by position; XLNet returns its memories in eval mode only), else None."""
+    if wrapper.form is None or len(wrapper.form.names) == len(desc_outputs):
+        return None
+    return ExportError(
+        f"{type(model).__name__} returns {wrapper.form.names} in training mode but "
+        f"{[name for name, _ in desc_outputs]} in eval mode or model_desc: return the same outputs in both modes"
+    )
 
 
 def _module_tensor_names(model: torch.nn.Module) -> set:
