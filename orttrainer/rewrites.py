@@ -1175,9 +1175,25 @@ def _broadcast_product(build, a, term_a, b, term_b, output):
     build.op("Mul", [_aligned(build, a, term_a, output), _aligned(build, b, term_b, output)], _output(build))
 
 
+def _merged_axes(build, x, shape, start, groups):
+    """x reshaped so that, from axis ``start`` on, each of ``groups`` consecutive axes (counts; 0 for none) becomes
+    one axis of their sizes' product (1 for none); ``shape`` is x's Shape."""
+    sizes, at = [_shape_slice(build, shape, 0, start)], start
+    for count in groups:
+        sizes.append(build.reduce("ReduceProd", _shape_slice(build, shape, at, at + count), [0], 1) if count
+                     else build.const([1], np.int64))  # fmt: skip
+        at += count
+    return build.op("Reshape", [x, build.op("Concat", sizes, axis=0)])
+
+
+def _shape_slice(build, shape, start, end):
+    return build.op("Slice", [shape, build.const([start], np.int64), build.const([end], np.int64)])
+
+
 def einsum(build):
-    """Einsum with one or two operands as ReduceSum/Transpose/MatMul (or Mul without a summed
-    index); with a contraction, at most one free index per side and one summed index."""
+    """Einsum with one or two operands as ReduceSum/Transpose/MatMul (or Mul without a summed index): the
+    indices of each side lined up as (shared, own free, summed), each group reshaped into one axis, a batched
+    MatMul, and the free axes reshaped back."""
     terms, output, equation = _einsum_terms(build)
     if len(terms) == 1:
         x, term = _sum_out(build, build.node.input[0], terms[0], output)
@@ -1196,24 +1212,16 @@ def einsum(build):
     batch = [letter for letter in output if letter in term_a and letter in term_b]
     left = [letter for letter in output if letter in term_a and letter not in term_b]
     right = [letter for letter in output if letter in term_b and letter not in term_a]
-    if len(left) > 1 or len(right) > 1 or len(contracted) > 1:
-        raise RewriteError(f"Einsum node '{build.node.name}': '{equation}' needs reshapes (several free or summed indices)")
     a = _transpose(build, a, term_a, "".join(batch + left + contracted))
     b = _transpose(build, b, term_b, "".join(batch + contracted + right))
-    position = len(batch)
-    if not left:
-        a = build.unsqueeze(a, [position])
-    if not contracted:
-        a = build.unsqueeze(a, [position + 1])
-        b = build.unsqueeze(b, [position])
-    if not right:
-        b = build.unsqueeze(b, [position + 1])
-    product = build.op("MatMul", [a, b])
-    squeezed = [axis for axis, missing in ((position, not left), (position + 1, not right)) if missing]
-    if squeezed:
-        product = build.squeeze(product, squeezed)
+    a_shape, b_shape = build.op("Shape", [a]), build.op("Shape", [b])
+    start = len(batch)
+    product = build.op("MatMul", [_merged_axes(build, a, a_shape, start, [len(left), len(contracted)]),
+                                  _merged_axes(build, b, b_shape, start, [len(contracted), len(right)])])  # fmt: skip
+    sizes = [_shape_slice(build, a_shape, 0, start + len(left)),
+             _shape_slice(build, b_shape, start + len(contracted), start + len(contracted) + len(right))]  # fmt: skip
+    product = build.op("Reshape", [product, build.op("Concat", sizes, axis=0)])
     _transpose(build, product, "".join(batch + left + right), output, _output(build))
-
 
 
 def _transposed_kernel(build, weight, shape, groups):

@@ -363,6 +363,18 @@ def convbert_classifier():
     return transformers.ConvBertForSequenceClassification(config)
 
 
+def xlnet_classifier():
+    """Relative attention written as einsums of several free indices ('ibnd,jbnd->bnij', 'ibh,hnd->ibnd'), rewritten
+    into batched MatMuls (rewrites.einsum). ``use_mems_eval=False``: by default XLNet returns its memories in eval
+    mode only, and a trainer's outputs are the same in both modes (refused by name otherwise)."""
+    import transformers
+
+    config = transformers.XLNetConfig(vocab_size=VOCAB, d_model=32, n_layer=2, n_head=2, d_inner=37, dropout=0.0,
+                                      summary_last_dropout=0.0, use_mems_train=False, use_mems_eval=False, mem_len=None,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2, num_labels=3)  # fmt: skip
+    return transformers.XLNetForSequenceClassification(config)
+
+
 def bert_question_answering():
     """Start and end scores from one Linear, split(1, dim=-1) and squeeze(-1): the exporter writes an If for
     the squeeze of a dimension it cannot size (rewrites.fold_static_sizes)."""
@@ -512,6 +524,7 @@ HUGGING_FACE_MODELS = {
     "bert-question-answering": (bert_question_answering, question_answering_batch, "tokens"),
     "squeezebert-grouped-conv1d-classifier": (squeezebert_classifier, classification_batch, "tokens"),
     "convbert-depthwise-conv1d-classifier": (convbert_classifier, classification_batch, "tokens"),
+    "xlnet-einsum-attention-classifier": (xlnet_classifier, classification_batch, "tokens"),
     "whisper-speech-to-text": (whisper_speech_to_text, speech_batch, "audio"),
     "bloom-lm": (bloom_lm, causal_lm_batch, "tokens"),
     "efficientnet-image-classifier": (efficientnet_classifier, functools.partial(vit_batch, size=32), "images"),
