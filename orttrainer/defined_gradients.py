@@ -93,8 +93,10 @@ def _arc_sine_gradient(sign: str) -> list:
 # An RNN's gradient: one placeholder node that torch's autograd runs in a split session (torch_recurrent.py), reading
 # the forward's inputs, its Y_h (which pairs the two) and the gradients of Y and Y_h
 _RNN_GRADIENT = [
-    ((torch_recurrent.RNN.backward, torch_recurrent.ATEN_DOMAIN), ["I(0)", "I(1)", "I(2)", "I(3)", "I(4)", "I(5)", "O(1)", "GO(0)", "GO(1)"],
-     ["GI(0)", "GI(1)", "GI(2)", "GI(3)", "GI(5)"], {"operator": {"value": torch_recurrent.RNN_GRADIENT, "dtype": "string"}}),
+    ((torch_recurrent.RNN.backward, torch_recurrent.ATEN_DOMAIN),
+     ["I(0)", "I(1)", "I(2)", "I(3)", "I(4)", "I(5)", "O(1)", "GO(0)", "GO(1)"],
+     ["GI(0)", "GI(1)", "GI(2)", "GI(3)", "GI(5)"],
+     {"operator": {"value": torch_recurrent.RNN_GRADIENT, "dtype": "string"}}),
 ]  # fmt: skip
 
 GRADIENT_DEFINITIONS = {"HardSwish": _HARD_SWISH_GRADIENT, "HardSigmoid": _HARD_SIGMOID_GRADIENT, "Atan": _ATAN_GRADIENT,

@@ -145,9 +145,9 @@ def refuse_recurrent_layers_onnx_runtime_cannot_train(model: onnx.ModelProto) ->
     for node in model.graph.node:
         if torch_recurrent.kind_of(node) is torch_recurrent.RNN and node.op_type == torch_recurrent.RNN.backward:
             forward = node.name.split("_Grad/")[0]
-            raise GradientBuildError(f"RNN (node '{forward}'" + (f", module '{module_path(forward)}'" if module_path(forward) else "")
-                                     + f"): this graph cannot be split for torch's kernels (it holds control flow, or an output no node "
-                                     f"computes){_RNN_HINT}")  # fmt: skip
+            where = f", module '{module_path(forward)}'" if module_path(forward) else ""
+            raise GradientBuildError(f"RNN (node '{forward}'{where}): this graph cannot be split for torch's kernels (it "
+                                     f"holds control flow, or an output no node computes){_RNN_HINT}")  # fmt: skip
         if node.op_type in ("LSTMTraining", "GRUTraining"):
             direction = torch_recurrent.direction(node)
             if direction != "forward":
@@ -745,8 +745,9 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     With ``mixed_precision`` both graphs compute in float16, and the gradients are those
     of the loss times the ``LOSS_SCALE_INPUT`` input. ``on_cpu`` (the graphs run on the CPU)
     replaces, in float32 graphs, kernels measured slow there by fast equivalents and ones that
-    differ from torch's by exact ones (``cpu_kernels``), and writes grouped 1-d and 3-d convolutions in a form
-    whose gradient ONNX Runtime's CPU kernel computes in bounds (``rewrites.grouped_convolutions``), but for the op types ``keep_for_torch``
+    differ from torch's by exact ones (``cpu_kernels``), and writes grouped 1-d and 3-d convolutions in a
+    form whose gradient ONNX Runtime's CPU kernel computes in bounds (``rewrites.grouped_convolutions``),
+    but for the op types ``keep_for_torch``
     (torch's kernels will run them, torch_convolutions.py), which also keep their forward nodes of a
     defined gradient unspelled (``defined_gradients.spell_forwards``). ``recurrent_on_torch``: the sessions
     will run recurrent layers on torch's kernels (torch_recurrent.py), so an RNN trains.

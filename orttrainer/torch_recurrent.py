@@ -78,7 +78,8 @@ def _attributes(node: onnx.NodeProto) -> dict:
 
 
 def kind_of(node: onnx.NodeProto):
-    """The LSTM, GRU or RNN kind of a recurrent node or of its gradient (an RNN's: the ``RNN_GRADIENT`` placeholder), else None."""
+    """The LSTM, GRU or RNN kind of a recurrent node or of its gradient (an RNN's: the ``RNN_GRADIENT``
+    placeholder), else None."""
     if node.op_type == RNN.backward:
         return RNN if node.domain == ATEN_DOMAIN and node_attributes(node).get("operator") == RNN_GRADIENT else None
     return _KINDS.get(node.op_type)

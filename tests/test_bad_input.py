@@ -166,7 +166,8 @@ def test_op_without_gradient_names_op_and_module():
 
 
     trainer = make_trainer(model=WithRNN(), loss_fn=F.mse_loss)
-    with pytest.raises(GradientBuildError, match=r"no gradient for these ops .*: GridSample \(node '/model/block/sampler/GridSample', module 'block.sampler'\)"):
+    with pytest.raises(GradientBuildError, match=r"no gradient for these ops .*: GridSample \(node "
+                                                 r"'/model/block/sampler/GridSample', module 'block.sampler'\)"):
         trainer.train_step(torch.randn(3, 5, 4), torch.randn(3, 5))
     assert trainer._training_session is None
 

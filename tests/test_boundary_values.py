@@ -230,18 +230,32 @@ EINSUM = {
     "bi,bi->b": [(3, 4), (3, 4)],
     "bi,j->bij": [(3, 1), (2,)],
     "bij->bj": [(2, 3, 4)],
+    "td,dnh->tnh": [(3, 4), (4, 2, 2)],
+    "td,dnh->tnh (size-1 n)": [(3, 4), (4, 1, 2)],
+    "bjk,bjk->b": [(2, 3, 2), (2, 3, 2)],
+    "ibh,hnd->ibnd": [(2, 3, 4), (4, 2, 2)],
+    "bn,bnij->bij": [(2, 3), (2, 3, 2, 2)],
 }
 
 
 @pytest.mark.parametrize("equation", EINSUM)
-def test_einsum(equation):
+@pytest.mark.parametrize("special", [False, True], ids=["finite", "inf and nan"])
+def test_einsum(equation, special):
+    """Products of a 1e4-sized and a unit factor, and a tiny one; with ``special``, an inf and a NaN in the first
+    operand: they reach the outputs and gradients torch's own einsum spreads them to (through its reshapes and bmm)."""
+    key = equation.split(" ")[0]
     generator = np.random.default_rng(0)
-    values = {f"x{index}": (generator.standard_normal(shape) * 1e4).astype(np.float32) for index, shape in enumerate(EINSUM[equation])}
+    values = {f"x{index}": (generator.standard_normal(shape) * (1e4 if index == 0 else 1.0)).astype(np.float32)
+              for index, shape in enumerate(EINSUM[equation])}  # fmt: skip
     values["x0"].reshape(-1)[0] = 1e-30
+    if special:
+        values["x0"].reshape(-1)[1] = np.inf
+        values["x0"].reshape(-1)[-1] = np.nan
+    equation = key
     expected = torch.einsum(equation, *(torch.tensor(value) for value in values.values()))
     upstream = upstream_like(expected.shape)
     model = single_op_model("Einsum", list(values), values, upstream, {"equation": equation})
-    # an output or gradient sums products of 1e4-sized factors: within a few ulps of those terms
+    # an output or gradient sums products of 1e4-sized terms: within a few ulps of those terms
     check_against_torch(model, lambda **tensors: torch.einsum(equation, *tensors.values()), values, list(values), upstream,
                         floor=4e-3)  # fmt: skip
 
