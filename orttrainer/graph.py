@@ -758,6 +758,7 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     name_unnamed_nodes(model.graph)
     drop_trailing_empty_inputs(model.graph)
     drop_zero_dropouts(model)
+    rewrites.explicit_convolution_pads(model)
     eval_model = copy.deepcopy(model)
     set_inference_mode(eval_model)
     if mixed_precision:

@@ -1360,10 +1360,23 @@ def grouped_convolution(build):
 def grouped_convolutions(model: onnx.ModelProto) -> list:
     """Replace, in place, each grouped Conv of one or three spatial axes by ``grouped_convolution``'s form; return the
     rewritten node names. For training graphs whose convolution gradients ONNX Runtime's CPU kernels compute."""
-    targets = [node for node in model.graph.node if node.op_type == "Conv" and node_attribute(node, "group", 1) > 1]
+    return _convolutions_rewritten(model, grouped_convolution, lambda node: node_attribute(node, "group", 1) > 1)
+
+
+def explicit_convolution_pads(model: onnx.ModelProto) -> list:
+    """Replace, in place, each Conv with ``auto_pad`` SAME_UPPER or SAME_LOWER by ``convolution_pads``' form; return the
+    rewritten node names. For every graph the trainer builds: ONNX Runtime's gradient ignores ``auto_pad``, and its
+    forward refuses it with a dilation (torch's ``padding='same', dilation=2``)."""
+    return _convolutions_rewritten(model, convolution_pads,
+                                   lambda node: node_attribute(node, "auto_pad", "NOTSET") in ("SAME_UPPER", "SAME_LOWER"))
+
+
+def _convolutions_rewritten(model: onnx.ModelProto, function, wanted) -> list:
+    """``function`` (a NodeBuilder rewrite) applied, in place, to the Conv nodes ``wanted(node)`` picks; their names."""
+    targets = [node for node in model.graph.node if node.op_type == "Conv" and wanted(node)]
     if not targets:
         return []
-    return replace_nodes(model, {"Conv": grouped_convolution}, targets, static_shapes(model, symbolic_shapes(model)))
+    return replace_nodes(model, {"Conv": function}, targets, static_shapes(model, symbolic_shapes(model)))
 
 
 def _broadcast_dims(shapes):
@@ -1493,7 +1506,6 @@ REWRITES = {
     "Sign": sign,
     "Einsum": einsum,
     "ConvTranspose": conv_transpose,
-    "Conv": convolution_pads,
     **dict.fromkeys(("Where", "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min"), broadcast_gradient),
 }
 

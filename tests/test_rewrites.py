@@ -740,7 +740,7 @@ def test_a_conv_with_auto_pad_computes_the_same_with_its_pads_written_out(auto_p
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [numpy_helper.from_array(values["w"], "w")])  # fmt: skip
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     rewritten = copy.deepcopy(model)
-    assert rewrites.rewrite_for_training(rewritten) == ([] if auto_pad == "VALID" else ["conv"])
+    assert rewrites.explicit_convolution_pads(rewritten) == ([] if auto_pad == "VALID" else ["conv"])
     assert all(rewrites.node_attribute(node, "auto_pad", "NOTSET") in ("NOTSET", "VALID") for node in rewritten.graph.node)
     expected, actual = (onnxruntime.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": values["x"]})[0]
                         for m in (model, rewritten))  # fmt: skip
@@ -748,25 +748,31 @@ def test_a_conv_with_auto_pad_computes_the_same_with_its_pads_written_out(auto_p
 
 
 class SameConvolutions(nn.Module):
-    """torch's padding='same' (exported as auto_pad SAME_UPPER): an odd kernel, an even dilated grouped 1-d one."""
+    """torch's padding='same' (exported as auto_pad SAME_UPPER): an odd kernel, an even dilated one, an even dilated
+    grouped 1-d one."""
 
     def __init__(self):
         super().__init__()
         self.image = nn.Conv2d(3, 8, 3, padding="same")
+        self.dilated = nn.Conv2d(3, 8, 2, padding="same", dilation=2)  # ONNX Runtime's forward refuses auto_pad with it
         self.line = nn.Conv1d(8, 8, 4, padding="same", dilation=2, groups=2)
         self.head = nn.Linear(8, 3)
 
     def forward(self, x):
-        return self.head(self.line(torch.relu(self.image(x)).mean(2)).mean(-1))
+        return self.head(self.line(torch.relu(self.image(x) + self.dilated(x)).mean(2)).mean(-1))
 
 
 @pytest.mark.parametrize("kernels", ["onnxruntime", "torch"])
-def test_same_padded_convolutions_train_like_torch(kernels):
-    """On ONNX Runtime's convolutions the gradients were garbage (its ConvGrad ignores auto_pad); the check is off,
-    so only the parity against torch's loop decides."""
+def test_same_padded_convolutions_train_and_evaluate_like_torch(kernels):
+    """On ONNX Runtime's convolutions the gradients were garbage (its ConvGrad ignores auto_pad), and a dilated one
+    could not run at all; the check is off, so only the parity against torch's loop (eval_step included) decides."""
     generator = torch.Generator().manual_seed(0)
     batches = [(torch.randn(2, 3, 6, 7, generator=generator), torch.randint(0, 3, (2,), generator=generator)) for _ in range(3)]
     options = cpu_options({"utils": {"convolution_kernels": kernels}, "debug": {"check_against_torch": "off"}})
     torch.manual_seed(0)
-    run_parity(SameConvolutions(), batches, optim.SGDConfig(lr=0.1), functools.partial(torch.optim.SGD, lr=0.1),
-               loss_fn=F.cross_entropy, options=options)  # fmt: skip
+    trainer, reference = run_parity(SameConvolutions(), batches, optim.SGDConfig(lr=0.1),
+                                    functools.partial(torch.optim.SGD, lr=0.1), loss_fn=F.cross_entropy, options=options)  # fmt: skip
+    x, label = batches[0]
+    with torch.no_grad():
+        expected = reference.eval()(x)
+    torch.testing.assert_close(trainer.eval_step(x, label)[1], expected, atol=1e-5, rtol=1e-5)
