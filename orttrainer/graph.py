@@ -11,6 +11,7 @@ sessions read the same torch memory.
 """
 
 import copy
+from collections import defaultdict
 import re
 from dataclasses import dataclass, field
 
@@ -570,6 +571,27 @@ def stop_gradients(model: onnx.ModelProto, weight_names) -> None:
     rewrites.replace_nodes(model, {"Identity": lambda build: rewrites.stop_gradient(build, detached_types[build.node.name])}, cut)
 
 
+def _private_normalization_constants(model: onnx.ModelProto, weight_names) -> None:
+    """Give each BatchNormalization its own copy of a constant scale or bias that another node, or its own running
+    variance, also reads. ONNX Runtime's optimizer merges equal constants (the ones of every affine-free
+    ``F.batch_norm``, BiT's weight standardization), and the gradient builder names each node's scale and bias
+    gradients '<input>_grad', needed or not: two nodes on one constant failed with a duplicate definition."""
+    initializers = {initializer.name: initializer for initializer in model.graph.initializer}
+    readers = defaultdict(int)
+    for node in model.graph.node:
+        for name in node.input:
+            readers[name] += 1
+    for node in model.graph.node:
+        if node.op_type not in ("BatchNormalization", "BatchNormInternal"):  # the optimizer's training form is the second
+            continue
+        for index in (1, 2):
+            name = node.input[index] if len(node.input) > index else ""
+            if name in initializers and name not in weight_names and readers[name] > 1:
+                private = numpy_helper.from_array(numpy_helper.to_array(initializers[name]), f"{name}.{node.name}")
+                model.graph.initializer.append(private)
+                node.input[index] = private.name
+
+
 def _read_weights_once_per_node(model: onnx.ModelProto, weight_names) -> None:
     """A node that reads one weight at several inputs (``w * w``, ``torch.square(w)``) reads it again through an
     Identity: the gradient builder names the gradient of each such input '<weight>_grad' and fails on the duplicate;
@@ -786,6 +808,7 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     options = _quiet_session_options()
     optimized = onnx.load_from_string(get_optimized_model(model.SerializeToString(), set(graph_trainable), options))
     _add_outputs_needed_by_gradients(optimized)
+    _private_normalization_constants(optimized, set(graph_trainable))
     defined_gradients.register_gradient_definitions()
     try:
         builder = GradientGraphBuilder(optimized.SerializeToString(), {gradient_of}, set(graph_trainable) | set(rows), gradient_of, options)

@@ -1016,3 +1016,32 @@ def test_average_pool_with_ceil_mode_trains_evaluates_and_saves_as_torch(tmp_pat
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     (output,) = session.run(None, {session.get_inputs()[0].name: images.numpy()})
     torch.testing.assert_close(torch.from_numpy(output), reference(images), atol=1e-5, rtol=1e-5)
+
+
+class WeightStandardizedConv(nn.Conv2d):
+    """BiT's convolution: its kernel standardized per output channel by an affine-free F.batch_norm in training mode."""
+
+    def forward(self, x):
+        kernel = F.batch_norm(self.weight.reshape(1, self.out_channels, -1), None, None, training=True, momentum=0.0, eps=1e-6)
+        return F.conv2d(x, kernel.reshape_as(self.weight), self.bias, self.stride, self.padding)
+
+
+class WeightStandardized(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = WeightStandardizedConv(3, 4, 3, padding=1), WeightStandardizedConv(4, 4, 3, padding=1)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.second(torch.relu(self.first(x))).mean((2, 3)))
+
+
+def test_weight_standardized_convolutions_train_like_torch():
+    """Each standardization's BatchNorm scales by a constant of ones, which ONNX Runtime's optimizer merges into one
+    (with the placeholder variance); the gradient builder names every node's scale gradient after it, and the build
+    failed with a duplicate definition. Each node now reads its own copy."""
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(2, 3, 5, 5, generator=generator), torch.randint(0, 3, (2,), generator=generator)) for _ in range(3)]
+    torch.manual_seed(0)
+    run_parity(WeightStandardized(), batches, optim.SGDConfig(lr=0.1), functools.partial(torch.optim.SGD, lr=0.1),
+               loss_fn=F.cross_entropy)  # fmt: skip
