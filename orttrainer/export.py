@@ -681,7 +681,8 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
         # torch's own check of the output names comes first where the modes differ: say that, not what it says
         mismatch = _outputs_differing_by_mode(model, wrapper, desc_outputs)
         first_line = str(error).strip().split("\n", 1)[0]  # the rest is a dump of the traced graph: in the cause below
-        raise mismatch or ExportError(f"torch.onnx.export of {type(model).__name__} failed: {first_line}") from error
+        failed = ExportError(f"torch.onnx.export of {type(model).__name__} failed: {first_line}{_known_fix(model, first_line)}")
+        raise mismatch or failed from error
     mismatch = _outputs_differing_by_mode(model, wrapper, desc_outputs)
     if mismatch:
         raise mismatch
@@ -691,6 +692,17 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
     rewrites.torch_pools(exported)  # first: torch's pools can make fewer windows than ONNX's, whose sizes folding reads
     rewrites.fold_static_sizes(exported, _module_tensor_names(model))
     return exported, lookups, heard.frozen_values
+
+
+def _known_fix(model, message: str) -> str:
+    """What to do about an export failure orttrainer knows the cause of, or ''."""
+    config = getattr(model, "config", None)
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if "aten::histc" in message and experts and hasattr(model, "set_experts_implementation"):
+        return (". transformers' mixture-of-experts layers count each expert's tokens with torch.histc in their default "
+                "experts implementation, which does not export: call model.set_experts_implementation('batched_mm') "
+                "before creating the trainer (the same experts, computed for every token and weighted by the routing)")
+    return ""
 
 
 def _outputs_differing_by_mode(model, wrapper, desc_outputs):

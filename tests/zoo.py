@@ -320,6 +320,23 @@ def llama_lm():
     return transformers.LlamaForCausalLM(config)
 
 
+def mixtral_lm(experts="batched_mm"):
+    """Mixtral: a mixture of 4 SiLU-gated experts, 2 per token, routed by softmax over a gate. transformers' default
+    experts implementation counts tokens with torch.histc, which does not export (refused with the fix); "batched_mm"
+    computes the same experts for every token, weighted by the routing."""
+    import transformers
+
+    config = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        num_local_experts=4, num_experts_per_tok=2, attention_dropout=0.0,
+                                        router_jitter_noise=0.0, use_cache=False, pad_token_id=0, bos_token_id=1,
+                                        eos_token_id=2)  # fmt: skip
+    model = transformers.MixtralForCausalLM(config)
+    if experts:
+        model.set_experts_implementation(experts)
+    return model
+
+
 def t5_generator():
     import transformers
 
@@ -517,6 +534,7 @@ HUGGING_FACE_MODELS = {
     "roberta-masked-lm": (roberta_masked_lm, functools.partial(masked_lm_batch, pad=1), "tokens"),
     "gpt2-lm": (gpt2_lm, causal_lm_batch, "tokens"),
     "llama-lm": (llama_lm, causal_lm_batch, "tokens"),
+    "mixtral-mixture-of-experts-lm": (mixtral_lm, causal_lm_batch, "tokens"),
     "t5": (t5_generator, seq2seq_batch, "tokens"),
     "bart": (bart_generator, functools.partial(seq2seq_batch, pad=1), "tokens"),
     "vit-image-classifier": (vit_classifier, vit_batch, "images"),
