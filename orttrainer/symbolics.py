@@ -935,6 +935,40 @@ def index(g, self, indices):
     return symbolic_opset11.index(g, self, g.op("prim::ListConstruct", *wrapped))
 
 
+def _adaptive_average_pool(dims: int):
+    """aten::adaptive_avg_pool{1,2,3}d to sizes that do not divide the input's: torch's exporter refuses them. Each
+    output is the mean of the window torch's kernel gives it (floor(i * length / size) to ceil((i + 1) * length /
+    size) on each axis), taken over the whole window at once as torch sums it: a ReduceMean of a Slice per output,
+    concatenated. Divisible sizes, and inputs of unknown sizes, get torch's symbolic (one AveragePool, or its error)."""
+    torch_symbolic = getattr(symbolic_opset9, f"adaptive_avg_pool{dims}d")
+
+    def symbolic(g, x, output_size):
+        sizes = symbolic_helper._get_tensor_sizes(x) or []
+        wanted = symbolic_helper._maybe_get_const(output_size, "is")
+        if len(sizes) != dims + 2 or None in sizes[2:] or not isinstance(wanted, (list, tuple)):
+            return torch_symbolic(g, x, output_size)
+        lengths = sizes[2:]
+        if all(length % size == 0 for length, size in zip(lengths, wanted)):
+            return torch_symbolic(g, x, output_size)
+        windows = [[(index * length // size, -(-(index + 1) * length // size)) for index in range(size)]
+                   for length, size in zip(lengths, wanted)]  # fmt: skip
+        return _window_means(_ExportGraph(g), x, windows, [])
+
+    return symbolic
+
+
+def _window_means(build, x, windows, chosen):
+    """The means of x over every combination of ``windows`` (per spatial axis, (start, end) pairs) after the
+    ``chosen`` ones for the leading axes, laid out as a grid along those axes."""
+    if len(chosen) == len(windows):
+        axes = list(range(2, 2 + len(windows)))
+        starts, ends = ([window[side] for window in chosen] for side in (0, 1))
+        part = build.op("Slice", [x, build.const(starts, np.int64), build.const(ends, np.int64), build.const(axes, np.int64)])
+        return build.reduce("ReduceMean", part, axes, 1)
+    cells = [_window_means(build, x, windows, chosen + [window]) for window in windows[len(chosen)]]
+    return cells[0] if len(cells) == 1 else build.op("Concat", cells, axis=2 + len(chosen))
+
+
 _SYMBOLICS = {
     "index": index,
     "batch_norm": batch_norm,
@@ -965,6 +999,7 @@ _SYMBOLICS = {
     "hardshrink": hardshrink,
     "softshrink": softshrink,
     "relu6": relu6,
+    **{f"adaptive_avg_pool{dims}d": _adaptive_average_pool(dims) for dims in (1, 2, 3)},
     "max": _extreme("ReduceMax", symbolic_helper._max_helper),
     "min": _extreme("ReduceMin", symbolic_helper._min_helper),
     "argmax": _arg_extreme("ArgMax", "ReduceMax"),

@@ -1230,3 +1230,23 @@ def test_ifs_that_shape_inference_cannot_decide_are_refused_at_every_batch_shape
     for first in (1, 3):
         with pytest.raises(graph.GradientBuildError, match=r"If \(node '/model/If'\): control flow"):
             check_trainer_against_torch(function, [{"x": np.ones((first, 5, 4), np.float32)}], weights)
+
+
+@pytest.mark.parametrize("dims, size", [(1, (3,)), (2, (2, 3)), (2, (3, 1)), (2, (4, 6)), (3, (2, 3, 2))],
+                         ids=["1d-3", "2d-2x3", "2d-3x1", "2d-4x6 (overlapping windows)", "3d-2x3x2"])  # fmt: skip
+def test_adaptive_average_pool_to_sizes_that_do_not_divide(dims, size):
+    """symbolics._adaptive_average_pool (torch's exporter refuses these sizes): each output averages torch's window,
+    so an inf or NaN reaches only the windows that hold it, overlapping ones included; FLT_MAX overflows as torch's.
+    No huge values of opposite signs: where 1e30 and -1e30 share a window with small ones, what survives their
+    cancellation depends on the order of summation (torch's kernel 0.083, ONNX Runtime's 0, float64 833)."""
+    spatial = {1: (5,), 2: (5, 4), 3: (3, 5, 3)}[dims]
+    edges = [0.0, -0.0, 1e-30, -1e-30, 1e-40, 1.0, 2.5, 1e4, 1e30, float(FLOAT32.max), np.inf, np.nan, -7.0, 1e-3, -np.inf]
+    values = np.resize(np.array(edges, np.float32), (1, 2, *spatial))
+    function = getattr(F, f"adaptive_avg_pool{dims}d")
+
+    def pooled(x):
+        return function(x, size)
+
+    upstream = upstream_like(pooled(torch.tensor(values)).shape)
+    model = exported_model(pooled, {"x": values}, upstream, ["x"])
+    check_against_torch(model, pooled, {"x": values}, ["x"], upstream)

@@ -1045,3 +1045,25 @@ def test_weight_standardized_convolutions_train_like_torch():
     torch.manual_seed(0)
     run_parity(WeightStandardized(), batches, optim.SGDConfig(lr=0.1), functools.partial(torch.optim.SGD, lr=0.1),
                loss_fn=F.cross_entropy)  # fmt: skip
+
+
+class PoolingPyramid(nn.Module):
+    """PSPNet's pyramid pooling over a 5x5 map: adaptive averages to 1, 2, 3 and 6 (overlapping windows), then to 4x2."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.pools = nn.ModuleList(nn.AdaptiveAvgPool2d(size) for size in (1, 2, 3, 6, (4, 2)))
+        self.head = nn.Linear(4 * (1 + 4 + 9 + 36 + 8), 3)
+
+    def forward(self, x):
+        features = torch.relu(self.conv(x))
+        return self.head(torch.cat([pool(features).flatten(1) for pool in self.pools], 1))
+
+
+def test_adaptive_average_pools_to_sizes_that_do_not_divide_train_like_torch():
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(2, 3, 5, 5, generator=generator), torch.randint(0, 3, (2,), generator=generator)) for _ in range(3)]
+    torch.manual_seed(0)
+    run_parity(PoolingPyramid(), batches, optim.SGDConfig(lr=0.1), functools.partial(torch.optim.SGD, lr=0.1),
+               loss_fn=F.cross_entropy)  # fmt: skip
