@@ -1293,10 +1293,12 @@ def conv_transpose(build):
              strides=[1] * dims)  # fmt: skip
 
 
-def _conv_attributes(build, x, weight_shape) -> dict:
+def _conv_attributes(build, x, weight) -> dict:
     """The Conv being replaced's kernel_shape, strides, dilations and pads, all explicit: ``auto_pad`` (SAME_UPPER,
-    SAME_LOWER, VALID) turned into the pads ONNX defines for it. A stride above 1 needs x's spatial sizes for SAME."""
-    kernel = list(build.attribute("kernel_shape") or weight_shape[2:])
+    SAME_LOWER, VALID) turned into the pads ONNX defines for it. A stride above 1 needs x's spatial sizes for SAME,
+    a Conv without ``kernel_shape`` its weight's."""
+    kernel = build.attribute("kernel_shape")
+    kernel = list(kernel) if kernel else build.static_dims(weight, range(2, len(build.shape(weight))))
     dims = len(kernel)
     strides, dilations = list(build.attribute("strides", [1] * dims)), list(build.attribute("dilations", [1] * dims))
     auto_pad = build.attribute("auto_pad", "NOTSET")
@@ -1318,9 +1320,8 @@ def convolution_pads(build):
     if build.attribute("auto_pad", "NOTSET") in ("NOTSET", "VALID"):
         return False
     x, weight = build.node.input[:2]
-    shape = build.static_dims(weight, range(len(build.shape(weight))))
     build.op("Conv", list(build.node.input), _output(build), group=build.attribute("group", 1),
-             **_conv_attributes(build, x, shape))  # fmt: skip
+             **_conv_attributes(build, x, weight))  # fmt: skip
     return True
 
 
@@ -1345,7 +1346,7 @@ def grouped_convolution(build):
     shape = build.static_dims(weight, range(len(build.shape(weight))))
     if groups == 1 or len(shape) == 4:
         return False
-    attributes = _conv_attributes(build, x, shape)
+    attributes = _conv_attributes(build, x, weight)
     if len(shape) == 3:
         _as_two_dimensional(build, build.node.input, {**attributes, "group": groups})
         return True
