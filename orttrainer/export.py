@@ -75,16 +75,46 @@ def with_loss(model, loss_fn, forward_names, constants=None) -> torch.nn.Module:
 
 def sample_outputs(model, loss_fn, forward_names, inputs, constants=None):
     """Run model (+ loss) once in eval mode without autograd, leaving the module as it was:
-    (the graph's outputs, their model_outputs.OutputForm)."""
+    (the graph's outputs, their model_outputs.OutputForm).
+
+    "As it was" includes the attributes forward assigns: NLLB-MoE's router sets its expert capacity in
+    eval mode only, and the training graph traced after this run trained with that capacity, other than
+    torch, without a word (the check's torch side ran the same changed module). Attributes are restored
+    by identity, dicts by their items (a list forward appends to in place is not).
+    """
     wrapper = with_loss(model, loss_fn, forward_names, constants)
-    modes = {layer: layer.training for layer in model.modules()}
+    attributes = {layer: _attributes_of(layer) for layer in model.modules()}  # the training flags among them
     model.eval()
     try:
         with torch.no_grad(), _DifferentiationRefused():
             return wrapper(*inputs), wrapper.form
     finally:
-        for layer, training in modes.items():
-            layer.training = training
+        _restore_attributes(attributes)
+
+
+def _attributes_of(layer: torch.nn.Module) -> dict:
+    """{name: (value, a copy of its items if it is a dict)}: what forward can reassign, and the dicts it can fill in
+    place (hooks it installs, buffers it registers)."""
+    return {name: (value, dict(value) if isinstance(value, dict) else None) for name, value in vars(layer).items()}
+
+
+def _restore_attributes(saved: dict) -> None:
+    """Give each module of ``saved`` ({module: ``_attributes_of`` it as it was}) its attributes back: what was
+    reassigned gets its old value, what was added goes, a dict gets its old items. transformers' output capture
+    marks its hooks installed in an attribute, the hooks in the module's hook dicts: both go together."""
+    for layer, attributes in saved.items():
+        current = vars(layer)
+        for name in [name for name in current if name not in attributes]:
+            del current[name]
+        for name, (value, items) in attributes.items():
+            if current.get(name, _ABSENT) is not value:
+                current[name] = value
+            if items is not None and (value.keys() != items.keys() or any(value[key] is not item for key, item in items.items())):
+                value.clear()
+                value.update(items)
+
+
+_ABSENT = object()
 
 
 # ------------------------------------------------------------------ the module to export

@@ -1067,3 +1067,37 @@ def test_adaptive_average_pools_to_sizes_that_do_not_divide_train_like_torch():
     torch.manual_seed(0)
     run_parity(PoolingPyramid(), batches, optim.SGDConfig(lr=0.1), functools.partial(torch.optim.SGD, lr=0.1),
                loss_fn=F.cross_entropy)  # fmt: skip
+
+
+class EvalOnlyBookkeeping(nn.Module):
+    """Its forward sets an attribute in eval mode only, as NLLB-MoE's router sets its expert capacity."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.scale = 1.0
+
+    def forward(self, x):
+        if not self.training:
+            self.scale = 3.0
+            self.seen_in_eval = True
+        return self.linear(x) * self.scale
+
+
+def test_attributes_forward_sets_in_eval_mode_do_not_reach_the_training_graph():
+    """The trainer runs its copy of the module once in eval mode (to learn the outputs) before tracing the training
+    graph: that graph trained with scale 3 (loss 3.25 against torch's 1.34) and the first-step check, running the same
+    copy, agreed with it. The copy's attributes are now restored after that run.
+
+    The eval graph is the training trace in inference mode (dropout off, BatchNorm on its statistics), as the legacy
+    ORTTrainer's: a branch forward takes in eval mode only is not in it. debug.check_model_export says so."""
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 4, generator=generator), torch.randn(8, 4, generator=generator)) for _ in range(3)]
+    torch.manual_seed(0)
+    model = EvalOnlyBookkeeping()
+    run_parity(model, batches, optim.SGDConfig(lr=0.1), functools.partial(torch.optim.SGD, lr=0.1), loss_fn=F.mse_loss)
+    assert model.scale == 1.0 and not hasattr(model, "seen_in_eval"), "the user's module changed"
+    checked = ORTTrainer(EvalOnlyBookkeeping(), None, optim.SGDConfig(lr=0.1), loss_fn=F.mse_loss,
+                         options=cpu_options({"debug": {"check_model_export": True}}))  # fmt: skip
+    with pytest.raises(AssertionError, match=r"debug.check_model_export: ONNX output '.*' differs from torch"):
+        checked.train_step(*batches[0])
