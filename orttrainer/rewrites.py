@@ -1138,11 +1138,20 @@ def sign(build):
 
 
 def _einsum_terms(build):
+    """(each operand's indices, the output's, the equation) of the Einsum being replaced; an ellipsis becomes
+    letters of its own for the axes it stands for (right-aligned, as einsum broadcasts them), which needs each
+    operand's rank."""
     equation = build.attribute("equation").replace(" ", "")
-    if "..." in equation or "->" not in equation:
-        raise RewriteError(f"Einsum node '{build.node.name}': equation '{equation}' needs an explicit '->' and no '...'")
+    if "->" not in equation:
+        raise RewriteError(f"Einsum node '{build.node.name}': equation '{equation}' needs an explicit '->'")
     inputs, output = equation.split("->")
     terms = inputs.split(",")
+    if "..." in equation:
+        ranks = [len(build.shape(name)) for name in build.node.input]
+        spans = [rank - (len(term) - 3) if "..." in term else 0 for term, rank in zip(terms, ranks)]
+        unused = [letter for letter in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if letter not in equation][: max(spans)]
+        terms = [term.replace("...", "".join(unused[len(unused) - span :]) if span else "") for term, span in zip(terms, spans)]
+        output = output.replace("...", "".join(unused))
     if any(len(set(term)) != len(term) for term in terms):
         raise RewriteError(f"Einsum node '{build.node.name}': repeated indices in '{equation}' (diagonals) are not supported")
     return terms, output, equation
@@ -1218,7 +1227,8 @@ def einsum(build):
     start = len(batch)
     product = build.op("MatMul", [_merged_axes(build, a, a_shape, start, [len(left), len(contracted)]),
                                   _merged_axes(build, b, b_shape, start, [len(contracted), len(right)])])  # fmt: skip
-    sizes = [_shape_slice(build, a_shape, 0, start + len(left)),
+    sizes = [_shape_slice(build, build.op("Shape", [product]), 0, start),  # shared axes as MatMul broadcast them
+             _shape_slice(build, a_shape, start, start + len(left)),
              _shape_slice(build, b_shape, start + len(contracted), start + len(contracted) + len(right))]  # fmt: skip
     product = build.op("Reshape", [product, build.op("Concat", sizes, axis=0)])
     _transpose(build, product, "".join(batch + left + right), output, _output(build))
