@@ -955,20 +955,25 @@ def _extreme_positions(build, x, axes, op_type):
     return ties, nan, has_nan
 
 
-def first_extreme_index(build, x, axis, op_type):
+def first_extreme_index(build, x, axis, op_type, floating=True):
     """Where torch.max(x, dim) / torch.min(x, dim) and torch.argmax / argmin look along ``axis``: the
     first NaN if the slice holds one, else the first extreme (``op_type`` ReduceMax or ReduceMin);
-    int64 indices with the axis kept."""
-    ties, nan, has_nan = _extreme_positions(build, x, [axis], op_type)
-    at_nan, at_ties = build.op("And", [has_nan, nan]), build.op("And", [build.op("Not", [has_nan]), ties])
-    positions = build.op("Cast", [build.op("Or", [at_nan, at_ties])], to=onnx.TensorProto.FLOAT)
+    int64 indices with the axis kept. An integer ``x`` (not ``floating``) holds no NaN, and gets no ArgMax
+    of its own (ONNX Runtime has no CPU kernel for an int64 one)."""
+    if floating:
+        ties, nan, has_nan = _extreme_positions(build, x, [axis], op_type)
+        at_nan, at_ties = build.op("And", [has_nan, nan]), build.op("And", [build.op("Not", [has_nan]), ties])
+        chosen = build.op("Or", [at_nan, at_ties])
+    else:
+        chosen = build.op("Equal", [x, build.reduce(op_type, x, [axis], 1)])
+    positions = build.op("Cast", [chosen], to=onnx.TensorProto.FLOAT)
     return build.op("ArgMax", [positions], axis=axis, keepdims=1)  # the first of the 1s
 
 
-def first_extreme(build, x, axis, keepdims, op_type, output=None):
+def first_extreme(build, x, axis, keepdims, op_type, output=None, floating=True):
     """torch.max(x, dim) / torch.min(x, dim): (values, indices) at the first extreme along
     ``axis`` (the first NaN if there is one), which alone gets the gradient, as in torch."""
-    indices = first_extreme_index(build, x, axis, op_type)
+    indices = first_extreme_index(build, x, axis, op_type, floating)
     if keepdims:
         return build.op("GatherElements", [x, indices], output, axis=axis), indices
     values = build.op("GatherElements", [x, indices], axis=axis)

@@ -505,26 +505,26 @@ def _extreme(onnx_op, torch_symbolic):
         if keepdim is None:
             return torch_symbolic(g, x, dim_or_y, keepdim)
         dim = symbolic_helper._get_const(dim_or_y, "i", "dim")
-        return rewrites.first_extreme(_ExportGraph(g), x, dim, symbolic_helper._get_const(keepdim, "i", "keepdim"), onnx_op)
+        return rewrites.first_extreme(_ExportGraph(g), x, dim, symbolic_helper._get_const(keepdim, "i", "keepdim"), onnx_op,
+                                      floating=symbolic_helper._is_fp(x))  # fmt: skip
 
     return symbolic
 
 
-def _arg_extreme(onnx_op, reduce_op):
-    """aten::argmax / aten::argmin of a floating tensor at the index rewrites.first_extreme_index picks:
-    the first NaN of a slice holding one, else the first extreme, as torch. ONNX Runtime's ArgMax and
-    ArgMin skip a NaN unless it comes first. Integer tensors, which hold no NaN, get torch's symbolic."""
+def _arg_extreme(reduce_op):
+    """aten::argmax / aten::argmin at the index rewrites.first_extreme_index picks: the first NaN of a slice
+    holding one, else the first extreme, as torch. ONNX Runtime's ArgMax and ArgMin skip a NaN unless it
+    comes first, and have no CPU kernel for int64 tensors."""
 
     @symbolic_helper.parse_args("v", "v", "b")
     def symbolic(g, x, dim, keepdim):
-        if not symbolic_helper._is_fp(x):
-            return symbolic_helper._argmin_argmax_helper(g, x, dim, keepdim, onnx_op)
-        build = _ExportGraph(g)
+        build, floating = _ExportGraph(g), symbolic_helper._is_fp(x)
         if not symbolic_helper._is_none(dim):
             axis = symbolic_helper._get_const(dim, "i", "dim")
-            index = rewrites.first_extreme_index(build, x, axis, reduce_op)
+            index = rewrites.first_extreme_index(build, x, axis, reduce_op, floating)
             return index if keepdim else build.squeeze(index, [axis])
-        index = rewrites.first_extreme_index(build, g.op("Reshape", x, build.const([-1], np.int64)), 0, reduce_op)
+        flat = g.op("Reshape", x, build.const([-1], np.int64))
+        index = rewrites.first_extreme_index(build, flat, 0, reduce_op, floating)
         if not keepdim:  # torch.argmax(x): a 0-d index into the flattened tensor
             return build.squeeze(index, [0])
         return g.op("Reshape", index, build.const([1] * symbolic_helper._get_tensor_rank(x), np.int64))
@@ -1002,8 +1002,8 @@ _SYMBOLICS = {
     **{f"adaptive_avg_pool{dims}d": _adaptive_average_pool(dims) for dims in (1, 2, 3)},
     "max": _extreme("ReduceMax", symbolic_helper._max_helper),
     "min": _extreme("ReduceMin", symbolic_helper._min_helper),
-    "argmax": _arg_extreme("ArgMax", "ReduceMax"),
-    "argmin": _arg_extreme("ArgMin", "ReduceMin"),
+    "argmax": _arg_extreme("ReduceMax"),
+    "argmin": _arg_extreme("ReduceMin"),
     "sinh": _unary("Sinh"),
     "cosh": _unary("Cosh"),
     "asinh": _unary("Asinh"),

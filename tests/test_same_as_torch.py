@@ -1101,3 +1101,26 @@ def test_attributes_forward_sets_in_eval_mode_do_not_reach_the_training_graph():
                          options=cpu_options({"debug": {"check_model_export": True}}))  # fmt: skip
     with pytest.raises(AssertionError, match=r"debug.check_model_export: ONNX output '.*' differs from torch"):
         checked.train_step(*batches[0])
+
+
+class LargestIdPicks(nn.Module):
+    """torch.max / torch.min over a dim of integer tensors (LongT5's block ids): torch's symbolic, where the float one
+    gave ONNX's IsNaN an int64 input and the build failed inside ONNX Runtime."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(10, 4)
+
+    def forward(self, ids):
+        largest, at = torch.max(ids, dim=-1)
+        smallest = torch.min(ids, dim=-1, keepdim=True).values.squeeze(-1)
+        return self.embedding(largest) + self.embedding(smallest) + at.unsqueeze(-1).float()
+
+
+def test_max_and_min_over_a_dim_of_integer_tensors_train_like_torch():
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 10, (3, 5), generator=generator), torch.randn(3, 4, generator=generator)) for _ in range(2)]
+    batches[0][0][0] = torch.tensor([7, 2, 7, 1, 1])  # ties: the first of them, as torch
+    torch.manual_seed(0)
+    run_parity(LargestIdPicks(), batches, optim.SGDConfig(lr=0.1), functools.partial(torch.optim.SGD, lr=0.1),
+               loss_fn=F.mse_loss)  # fmt: skip
