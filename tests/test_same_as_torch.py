@@ -1040,11 +1040,15 @@ def test_weight_standardized_convolutions_train_like_torch():
     """Each standardization's BatchNorm scales by a constant of ones, which ONNX Runtime's optimizer merges into one
     (with the placeholder variance); the gradient builder names every node's scale gradient after it, and the build
     failed with a duplicate definition. Each node now reads its own copy."""
+    _trains_like_torch_on_small_images(WeightStandardized)
+
+
+def _trains_like_torch_on_small_images(make):
+    """Three SGD steps on 2 images of 3x5x5 with 3 classes, against torch's loop (loss and every state_dict key)."""
     generator = torch.Generator().manual_seed(0)
     batches = [(torch.randn(2, 3, 5, 5, generator=generator), torch.randint(0, 3, (2,), generator=generator)) for _ in range(3)]
     torch.manual_seed(0)
-    run_parity(WeightStandardized(), batches, optim.SGDConfig(lr=0.1), functools.partial(torch.optim.SGD, lr=0.1),
-               loss_fn=F.cross_entropy)  # fmt: skip
+    run_parity(make(), batches, optim.SGDConfig(lr=0.1), functools.partial(torch.optim.SGD, lr=0.1), loss_fn=F.cross_entropy)
 
 
 class PoolingPyramid(nn.Module):
@@ -1062,11 +1066,7 @@ class PoolingPyramid(nn.Module):
 
 
 def test_adaptive_average_pools_to_sizes_that_do_not_divide_train_like_torch():
-    generator = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(2, 3, 5, 5, generator=generator), torch.randint(0, 3, (2,), generator=generator)) for _ in range(3)]
-    torch.manual_seed(0)
-    run_parity(PoolingPyramid(), batches, optim.SGDConfig(lr=0.1), functools.partial(torch.optim.SGD, lr=0.1),
-               loss_fn=F.cross_entropy)  # fmt: skip
+    _trains_like_torch_on_small_images(PoolingPyramid)
 
 
 class EvalOnlyBookkeeping(nn.Module):
