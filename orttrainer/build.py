@@ -308,9 +308,10 @@ def _check_same_weights(shared, in_graph, trainable) -> None:
         raise NotImplementedError(
             "the graph for this batch's shapes and Python values uses other weights than the graph of earlier batches"
             + (f" (only here: {new})" if new else "") + (f" (trained only there: {untrained})" if untrained else "")
-            + ": a branch on the batch's shapes or on a value passed to the step switches parameters, and orttrainer "
-            "trains one fixed set of weights for every graph; pad the batches to one shape and keep such values, or "
-            "train this model with torch"
+            + ": a branch on the batch's shapes, on its values (a mixture of experts looping over the experts its tokens "
+            "are routed to) or on a value passed to the step switches parameters, and orttrainer trains one fixed set of "
+            "weights for every graph; pad the batches to one shape and keep such values, compute every expert for every "
+            "token, or train this model with torch"
         )
 
 
