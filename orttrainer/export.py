@@ -109,9 +109,13 @@ def _restore_attributes(saved: dict) -> None:
         for name, (value, items) in attributes.items():
             if current.get(name, _ABSENT) is not value:
                 current[name] = value
-            if items is not None and (value.keys() != items.keys() or any(value[key] is not item for key, item in items.items())):
+            if items is not None and _items_changed(value, items):
                 value.clear()
                 value.update(items)
+
+
+def _items_changed(now: dict, then: dict) -> bool:
+    return now.keys() != then.keys() or any(now[key] is not item for key, item in then.items())
 
 
 _ABSENT = object()

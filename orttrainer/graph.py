@@ -11,8 +11,8 @@ sessions read the same torch memory.
 """
 
 import copy
-from collections import defaultdict
 import re
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np

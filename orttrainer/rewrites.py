@@ -439,10 +439,15 @@ def instance_normalization(build):
     build.op("Add", [scaled, build.unsqueeze(bias, channel_axes)], _output(build))
 
 
+def _onnx_ceil_mode_count(length: int, kernel: int, stride: int, before: int, after: int) -> int:
+    """ONNX's (and ONNX Runtime's kernels') ceil_mode output count over an axis: a window for a partial one at
+    the end, even one that would start in the end padding."""
+    return -(-(length + before + after - kernel) // stride) + 1
+
+
 def _ceil_mode_count(length: int, kernel: int, stride: int, before: int, after: int) -> int:
-    """torch's ceil_mode output count over an axis: ONNX's, one more window for a partial one at the end, less
-    that window if it would start in the end padding (which ONNX's, and ONNX Runtime's kernel's, keeps)."""
-    count = -(-(length + before + after - kernel) // stride) + 1
+    """torch's ceil_mode output count over an axis: ONNX's, less a last window that would start in the end padding."""
+    count = _onnx_ceil_mode_count(length, kernel, stride, before, after)
     return count - 1 if (count - 1) * stride >= length + before else count
 
 
@@ -507,7 +512,7 @@ def _drops_a_window(node: onnx.NodeProto, shapes: dict) -> bool:
     if node_attribute(node, "auto_pad", "NOTSET") != "NOTSET" or None in lengths:
         return False
     for length, size, stride, before, after in zip(lengths, kernel, strides, pads[:dims], pads[dims:]):
-        if _ceil_mode_count(length, size, stride, before, after) < -(-(length + before + after - size) // stride) + 1:
+        if _ceil_mode_count(length, size, stride, before, after) < _onnx_ceil_mode_count(length, size, stride, before, after):
             return True
     return False
 
