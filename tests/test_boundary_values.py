@@ -1254,3 +1254,25 @@ def test_adaptive_average_pool_to_sizes_that_do_not_divide(dims, size):
     upstream = upstream_like(pooled(torch.tensor(values)).shape)
     model = exported_model(pooled, {"x": values}, upstream, ["x"])
     check_against_torch(model, pooled, {"x": values}, ["x"], upstream)
+
+
+@pytest.mark.parametrize("case", ["grouped 1-d", "grouped 3-d", "same, dilated", "same, grouped 1-d"])
+def test_rewritten_convolutions_at_edge_values(case):
+    """rewrites.grouped_convolution (a grouped 1-d Conv as 2-d over a unit axis, a 3-d one per group) and
+    rewrites.explicit_convolution_pads (auto_pad written out): values and the gradients of input and weight as
+    torch's, at 0, -0, tiny, ±inf and NaN. No huge finite values, and positive weights: what survives a
+    cancellation inside a window depends on the order of summation (12 float32 spacings of the result apart with
+    weights of both signs), which differs between torch's kernels and ONNX Runtime's."""
+    edges = [0.0, -0.0, 1e-30, -1e-30, 1e-40, 1.0, -1.0, 2.5, -7.0, np.inf, -np.inf, np.nan, 0.5]
+    spatial, function = {
+        "grouped 1-d": ((7,), lambda x, w: F.conv1d(x, w, stride=2, padding=1, groups=2)),
+        "grouped 3-d": ((3, 4, 3), lambda x, w: F.conv3d(x, w, padding=1, groups=2)),
+        "same, dilated": ((5, 6), lambda x, w: F.conv2d(x, w, padding="same", dilation=2)),
+        "same, grouped 1-d": ((6,), lambda x, w: F.conv1d(x, w, padding="same", groups=4)),
+    }[case]  # fmt: skip
+    groups = {"grouped 1-d": 2, "grouped 3-d": 2, "same, dilated": 1, "same, grouped 1-d": 4}[case]
+    values = {"x": np.resize(np.array(edges, np.float32), (1, 4, *spatial)),
+              "w": np.random.default_rng(0).uniform(0.5, 1.5, (4, 4 // groups, *[2] * len(spatial))).astype(np.float32)}  # fmt: skip
+    upstream = upstream_like(function(*(torch.tensor(v) for v in values.values())).shape)
+    model = exported_model(function, values, upstream, ["x", "w"])
+    check_against_torch(model, function, values, ["x", "w"], upstream)
