@@ -59,12 +59,13 @@ _SCALED_LOSS = "orttrainer.scaled_loss"
 # Slice, whose gradient has no float16 CPU kernel in ONNX Runtime 1.19; and MaxPool, whose
 # float16 training graph crashes ONNX Runtime 1.19's session creation (segmentation fault);
 # HardSwish and HardSigmoid, whose forwards defined_gradients spells out with float32 constants after the build;
-# LSTM and GRU, whose training kernels in onnxruntime-training 1.19 take float32 only.
+# LSTM and GRU, whose training kernels in onnxruntime-training 1.19 take float32 only; ScatterElements and ScatterND,
+# which sum in float32 only on the CPU (reduction 'add': scatter_add, index_add, index_put with accumulate=True).
 _FLOAT32_OPS = [
     "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss", "Softmax", "LogSoftmax", "LayerNormalization",
     "BatchNormalization", "InstanceNormalization", "ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2",
     "ReduceLogSumExp", "Exp", "Log", "Pow", "Sqrt", "Reciprocal", "Div", "CumSum", "Erf", "Slice", "MaxPool", "HardSwish",
-    "HardSigmoid", "LSTM", "GRU",
+    "HardSigmoid", "LSTM", "GRU", "ScatterElements", "ScatterND",
 ]  # fmt: skip
 
 

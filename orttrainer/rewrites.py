@@ -1400,6 +1400,30 @@ def _convolutions_rewritten(model: onnx.ModelProto, function, wanted) -> list:
     return replace_nodes(model, {"Conv": function}, targets, static_shapes(model, symbolic_shapes(model)))
 
 
+def scatter_with_reduction(build):
+    """ScatterElements / ScatterND with reduction 'add' (torch's scatter_add, index_add, index_put with
+    accumulate=True, scatter_reduce 'sum') in a form whose data gradient is the output's: onnxruntime-training
+    1.19.2's gradients of both ops ignore the reduction and clear the data's gradient where updates land, as for
+    an overwrite. The updates are added into zeros, then the data: the zeros are -0, the identity of +, so where no
+    update lands the output is the data itself (-0 and NaN kept); where some land it differs from torch's in-order
+    sum by rounding only. 'mul', 'max' and 'min' (scatter_reduce's prod, amax, amin), whose gradients depend on the
+    values, are refused."""
+    reduction = build.attribute("reduction", "none")
+    if reduction == "none":
+        return False
+    if reduction != "add":
+        raise RewriteError(f"{build.node.op_type} with reduction='{reduction}' (torch's scatter_reduce with 'prod', "
+                           "'amax' or 'amin'): onnxruntime-training's gradient of it ignores the reduction, so it would "
+                           "not be torch's; compute it with torch outside the trained module, or from ops without "
+                           "reduction")  # fmt: skip
+    data, indices, updates = build.node.input
+    negative_zero = numpy_helper.from_array(np.array([-0.0], np.float32))  # rewrites run before any float16 conversion
+    zeros = build.op("ConstantOfShape", [build.op("Shape", [data])], value=negative_zero)
+    axis = {"axis": build.attribute("axis", 0)} if build.node.op_type == "ScatterElements" else {}
+    added = build.op(build.node.op_type, [zeros, indices, updates], reduction="add", **axis)
+    build.op("Add", [data, added], _output(build))
+
+
 def _broadcast_dims(shapes):
     """The shape broadcasting gives ``shapes`` (symbolic_shapes' form; None where it is unknown)."""
     rank = max(len(shape) for shape in shapes)
@@ -1527,6 +1551,8 @@ REWRITES = {
     "Sign": sign,
     "Einsum": einsum,
     "ConvTranspose": conv_transpose,
+    "ScatterElements": scatter_with_reduction,
+    "ScatterND": scatter_with_reduction,
     **dict.fromkeys(("Where", "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min"), broadcast_gradient),
 }
 

@@ -13,7 +13,7 @@ import onnx
 import torch
 from torch.onnx import symbolic_helper
 from torch.onnx._internal.torchscript_exporter import (_type_utils, registration, symbolic_opset9, symbolic_opset11,
-                                                        symbolic_opset14)
+                                                        symbolic_opset14, symbolic_opset16)
 from torch.onnx._internal.torchscript_exporter import utils as exporter_utils
 
 from . import rewrites
@@ -969,8 +969,65 @@ def _window_means(build, x, windows, chosen):
     return cells[0] if len(cells) == 1 else build.op("Concat", cells, axis=2 + len(chosen))
 
 
+# ScatterElements and ScatterND add the values sent to one place (reduction='add') from this opset on; before
+# it a scatter keeps one of them, where torch adds them all.
+_ADDING_SCATTER_OPSET = 16
+
+
+def _refuse_before_adding_scatters(g, call: str) -> None:
+    if g.opset < _ADDING_SCATTER_OPSET:
+        raise ValueError(f"{call} in module '{_module_scope(g)}' adds up the values of repeated indices, which an ONNX "
+                         f"scatter does from opset {_ADDING_SCATTER_OPSET} on; this export is at opset {g.opset}: set "
+                         f"ORTTrainerOptions({{'_internal_use': {{'onnx_opset_version': {_ADDING_SCATTER_OPSET}}}}}) "
+                         "or higher")  # fmt: skip
+
+
+def scatter_add(g, self, dim, index, source):
+    """torch's symbolic from opset 16 on (a ScatterElements adding into ``self``); refused below, where it
+    scatters into zeros and keeps one value per repeated index."""
+    _refuse_before_adding_scatters(g, "scatter_add")
+    return symbolic_opset16.scatter_add(g, self, dim, index, source)
+
+
+@symbolic_helper.parse_args("v", "i", "v", "v", "v")
+def index_add(g, self, dim, index, source, alpha=None):
+    """torch.index_add: every slice of ``source`` added at its index, repeated indices included, in one
+    ScatterElements adding into ``self``. torch's symbolic scatters into zeros without reduction, which keeps
+    one slice per repeated index (its warning says so)."""
+    _refuse_before_adding_scatters(g, "index_add")
+    rank = symbolic_helper._get_tensor_rank(self)
+    if rank is None or symbolic_helper._get_tensor_rank(source) != rank:
+        raise ValueError(f"index_add in module '{_module_scope(g)}' needs a tensor and a source of the same known rank")
+    dim %= max(rank, 1)
+    if not symbolic_helper._is_none(alpha) and symbolic_helper._maybe_get_const(alpha, "f") != 1:
+        scalar_type = _type_utils.JitScalarType.from_value(source)
+        source = g.op("Mul", source, g.op("Cast", alpha, to_i=scalar_type.onnx_type()))
+    along_dim = [1] * dim + [-1] + [1] * (rank - dim - 1)
+    index = g.op("Reshape", index, g.op("Constant", value_t=torch.tensor(along_dim, dtype=torch.int64)))
+    index = g.op("Expand", index, g.op("Shape", source))
+    return g.op("ScatterElements", self, index, source, axis_i=dim, reduction_s="add")
+
+
+def index_put(g, self, indices, values, accumulate=False):
+    """torch's symbolic, except with ``accumulate=True`` and integer indices: one ScatterND adding into ``self``,
+    repeated indices included. torch's scatters into zeros without reduction, which keeps one value per repeated
+    index. A boolean mask (each element at most once) is placed into -0 zeros, the identity of +, and added."""
+    if not symbolic_helper._parse_arg(accumulate, "b"):
+        return symbolic_opset11.index_put(g, self, indices, values, accumulate)
+    scalar_type = _type_utils.JitScalarType.from_value(self)
+    zeros = g.op("ConstantOfShape", g.op("Shape", self), value_t=torch.tensor([-0.0], dtype=scalar_type.dtype()))
+    placed = symbolic_opset11.index_put(g, zeros, indices, values, False)
+    if placed.node().kind() != "onnx::ScatterND":
+        return g.op("Add", self, placed)
+    _refuse_before_adding_scatters(g, "index_put with accumulate=True")
+    return g.op("ScatterND", self, placed.node().inputsAt(1), placed.node().inputsAt(2), reduction_s="add")
+
+
 _SYMBOLICS = {
     "index": index,
+    "index_put": index_put,
+    "index_add": index_add,
+    "scatter_add": scatter_add,
     "batch_norm": batch_norm,
     "scaled_dot_product_attention": scaled_dot_product_attention,
     "diff": diff,

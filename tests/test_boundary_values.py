@@ -224,6 +224,41 @@ def test_cumsum_spreads_inf_and_nan_only_forward(axis, reverse, exclusive):
     check_against_torch(model, reference, {"x": finite}, ["x"], upstream)
 
 
+# Sums over repeated indices (rewrites.scatter_with_reduction, symbolics.index_add / index_put): rows 0, 2 and 3 of
+# the data get 3, 2 and 1 updates, rows 1 and 4 none. Each column is a case: signed zeros, infinities and NaN,
+# denormals and tiny values, huge values overflowing, ordinary values. Values sent to one row keep one sign where
+# they are huge: the updates are summed before the data is added, so a sum that cancels huge values of opposite
+# signs legitimately differs from torch's in-order one by their rounding (rewrites.scatter_with_reduction).
+_MAX = float(FLOAT32.max)
+SCATTER_TARGETS = np.array([0, 2, 0, 0, 3, 2], np.int64)
+SCATTER_DATA = np.array([[-0.0, 1.0, 1e-40, _MAX, 1.5], [-0.0, np.inf, -1e-40, 1e30, -2.25], [0.0, -np.inf, 1e-30, 1e30, 3.0],
+                         [-0.0, np.nan, 0.0, -_MAX, 0.125], [-0.0, 2.0, 1e-30, 1.0, 7.0]], np.float32)
+SCATTER_UPDATES = np.array([[-0.0, np.inf, 1e-40, _MAX, 0.5], [-0.0, -np.inf, 1e-40, 1e30, -1.0], [0.0, 1.0, -1e-40, 1e30, 2.75],
+                            [-0.0, 2.0, 1e-30, 1.0, 4.0], [-0.0, 3.0, -1e-30, -_MAX, -3.5], [-0.0, np.nan, 1e-40, 1e30, 6.25]],
+                           np.float32)  # fmt: skip
+SUMS_OVER_INDICES = {
+    "index_add": lambda data, updates, targets: data.index_add(0, targets, updates),
+    "index_add alpha": lambda data, updates, targets: data.index_add(0, targets, updates, alpha=2.5),
+    "index_add dim 1": lambda data, updates, targets: data.T.index_add(1, targets, updates.T),
+    "scatter_add": lambda data, updates, targets: data.scatter_add(0, targets[:, None].expand_as(updates), updates),
+    "index_put accumulate": lambda data, updates, targets: data.index_put((targets,), updates, accumulate=True),
+}  # fmt: skip
+# scatter_reduce 'sum' is scatter_add's ScatterElements once the trainer folds the If torch's symbolic wraps it in
+# (tests/test_same_as_torch.py trains it). No index_put of an empty index: torch's exporter kills the process
+# (SIGFPE, a Reshape of an empty static shape by -1) on it, accumulating or not; the trainer's exports have dynamic
+# sizes and reach ONNX Runtime's clear refusal of the empty batch instead.
+
+
+@pytest.mark.parametrize("function, empty", [(function, False) for function in SUMS_OVER_INDICES]
+                         + [(function, True) for function in SUMS_OVER_INDICES if not function.startswith("index_put")])
+def test_sums_over_repeated_indices(function, empty):
+    values = {"data": SCATTER_DATA, "updates": SCATTER_UPDATES[:0] if empty else SCATTER_UPDATES,
+              "targets": SCATTER_TARGETS[:0] if empty else SCATTER_TARGETS}  # fmt: skip
+    upstream = upstream_like(SUMS_OVER_INDICES[function](*(torch.tensor(values[name]) for name in values)).shape)
+    model = exported_model(SUMS_OVER_INDICES[function], values, upstream, ["data", "updates"])
+    check_against_torch(model, SUMS_OVER_INDICES[function], values, ["data", "updates"], upstream)
+
+
 EINSUM = {
     "bi,ij->bj": [(3, 4), (4, 2)],
     "bij,bjk->bik": [(2, 1, 3), (2, 3, 2)],

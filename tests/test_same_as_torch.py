@@ -6,6 +6,7 @@ import functools
 import math
 import warnings
 
+import numpy as np
 import onnx
 import onnxruntime
 import pytest
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from models import CNN, MLP, NoGradTarget, StraightThrough, cnn_batch, mlp_batch
 from parity import assert_close_state, cpu_options, run_parity
 
-from orttrainer import GradientBuildError, ORTTrainer, ORTTrainerOptions, build, export, optim
+from orttrainer import GradientBuildError, ORTTrainer, ORTTrainerOptions, amp, build, export, optim
 from orttrainer.export import ExportError
 from orttrainer.verify import TorchMismatchError
 
@@ -1124,3 +1125,121 @@ def test_max_and_min_over_a_dim_of_integer_tensors_train_like_torch():
     torch.manual_seed(0)
     run_parity(LargestIdPicks(), batches, optim.SGDConfig(lr=0.1), functools.partial(torch.optim.SGD, lr=0.1),
                loss_fn=F.mse_loss)  # fmt: skip
+
+
+# ------------------------------------------------------------------ scatters that add
+def _in_place_index_add(hidden, targets, messages):
+    return hidden.clone().index_add_(0, targets, messages, alpha=0.5)
+
+
+def _accumulated_in_place(hidden, targets, messages):
+    summed = hidden.clone()
+    summed.index_put_((targets,), messages, accumulate=True)
+    return summed
+
+
+SUM_AGGREGATIONS = {
+    "index_add": lambda hidden, targets, messages: hidden.index_add(0, targets, messages),
+    "index_add_ alpha": _in_place_index_add,
+    "scatter_add": lambda hidden, targets, messages: hidden.scatter_add(0, targets[:, None].expand_as(messages), messages),
+    "scatter_reduce sum": lambda hidden, targets, messages: hidden.scatter_reduce(
+        0, targets[:, None].expand_as(messages), messages, "sum"),
+    "index_put accumulate": lambda hidden, targets, messages: hidden.index_put((targets,), messages, accumulate=True),
+    "index_put_ accumulate": _accumulated_in_place,
+}  # fmt: skip
+
+
+class MessagePassing(nn.Module):
+    """A graph network layer: each edge's message (a Linear of its source node) summed into its target node,
+    as torch_geometric's sum aggregation does, by one of ``SUM_AGGREGATIONS``."""
+
+    def __init__(self, aggregation):
+        super().__init__()
+        self.embed, self.message, self.out = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.aggregate = SUM_AGGREGATIONS[aggregation]
+
+    def forward(self, nodes, sources, targets):
+        hidden = torch.relu(self.embed(nodes))
+        return self.out(torch.tanh(self.aggregate(hidden, targets, self.message(hidden[sources]))))
+
+
+def graph_batches(target_lists):
+    generator = torch.Generator().manual_seed(0)
+    return [(torch.randn(6, 4, generator=generator), torch.randint(0, 6, (len(targets),), generator=generator),
+             torch.tensor(targets, dtype=torch.int64), torch.randint(0, 3, (6,), generator=generator))
+            for targets in target_lists]  # fmt: skip
+
+
+@pytest.mark.parametrize("aggregation", list(SUM_AGGREGATIONS))
+def test_sums_over_repeated_indices_train_like_torch(aggregation):
+    """Repeated indices add up, as in torch, in batches after a first one without them (which the first-step check
+    sees). torch's exporter wrote index_add and index_put(accumulate=True) as a scatter into zeros that keeps one
+    value per repeated index, silently; and onnxruntime-training's gradient of a scatter that adds cleared the
+    gradient of what it adds into where the values land."""
+    batches = graph_batches([[5, 3, 1, 0, 2, 4], [0, 0, 0, 1, 1, 2], [3, 3, 3, 3, 3, 3], [2, 2, 5, 5, 0, 1, 4, 4, 4]])
+    torch.manual_seed(0)
+    run_parity(MessagePassing(aggregation), batches, optim.SGDConfig(lr=0.1), sgd, loss_fn=F.cross_entropy)
+
+
+@pytest.mark.parametrize("aggregation", ["index_add", "scatter_add", "index_put accumulate"])
+def test_sums_over_repeated_indices_before_opset_16_are_refused_naming_the_option(aggregation):
+    trainer = ORTTrainer(MessagePassing(aggregation), None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy,
+                         options=cpu_options({"_internal_use": {"onnx_opset_version": 15}}))  # fmt: skip
+    with pytest.raises(ExportError, match=r"adds up the values of repeated indices, which an ONNX scatter does from "
+                                          r"opset 16 on; this export is at opset 15: set ORTTrainerOptions\(\{'_internal_use'"
+                                          r": \{'onnx_opset_version': 16\}\}\)"):  # fmt: skip
+        trainer.train_step(*graph_batches([[0, 1, 2, 3, 4, 5]])[0])
+
+
+class MaskedAccumulation(nn.Module):
+    """``x.index_put_((mask,), values, accumulate=True)`` with a boolean mask: each chosen element gets its value added."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        hidden = self.fc(x)
+        chosen = x[:, 0] > 0
+        return hidden.index_put((chosen,), hidden[chosen] * 2, accumulate=True)
+
+
+def test_accumulation_through_a_boolean_mask_trains_like_torch():
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(5, 4, generator=generator), torch.randn(5, 4, generator=generator)) for _ in range(3)]
+    torch.manual_seed(0)
+    run_parity(MaskedAccumulation(), batches, optim.SGDConfig(lr=0.1), sgd, loss_fn=F.mse_loss)
+
+
+class ScatterMaximum(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, targets):
+        hidden = self.fc(x)
+        return hidden.scatter_reduce(0, targets[:, None].expand_as(hidden), hidden * 2, "amax")
+
+
+def test_scatter_reductions_whose_gradient_onnx_runtime_ignores_are_refused():
+    trainer = ORTTrainer(ScatterMaximum(), None, optim.SGDConfig(lr=0.1), loss_fn=F.mse_loss, options=cpu_options())
+    with pytest.raises(GradientBuildError, match=r"ScatterElements with reduction='max' \(torch's scatter_reduce with "
+                                                 r"'prod', 'amax' or 'amin'\): onnxruntime-training's gradient"):  # fmt: skip
+        trainer.train_step(torch.randn(5, 4), torch.tensor([0, 0, 1, 2, 2]), torch.randn(5, 4))
+
+
+@pytest.mark.parametrize("aggregation", ["index_add", "index_put accumulate"])
+def test_sums_over_repeated_indices_train_under_mixed_precision(aggregation):
+    """The scatters that add stay in float32 (ONNX Runtime's CPU kernels add in float32 only): the float16 losses
+    track the float32 ones."""
+
+    def losses(mixed):
+        torch.manual_seed(0)
+        options = {"mixed_precision": {"enabled": mixed, "loss_scaler": amp.DynamicLossScaler(loss_scale=1024.0)}}
+        trainer = ORTTrainer(MessagePassing(aggregation), None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy,
+                             options=cpu_options(options))  # fmt: skip
+        return [trainer.train_step(*batch)[0].item() for batch in graph_batches([[0, 0, 1, 2, 3, 3]] * 6)]
+
+    float32, float16 = losses(False), losses(True)
+    np.testing.assert_allclose(float16, float32, rtol=2e-2)
+    assert float32[-1] < float32[0]
