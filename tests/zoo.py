@@ -347,15 +347,32 @@ def t5_generator():
     return transformers.T5ForConditionalGeneration(config)
 
 
+# BART's layout, which NLLB-MoE shares: 2 layers each side, width 32, pad 1
+_SEQ2SEQ = dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                decoder_attention_heads=2, encoder_ffn_dim=37, decoder_ffn_dim=37, dropout=0.0, attention_dropout=0.0,
+                activation_dropout=0.0, max_position_embeddings=64, use_cache=False, pad_token_id=1, bos_token_id=0,
+                eos_token_id=2, decoder_start_token_id=2)
+
+
 def bart_generator():
     import transformers
 
-    config = transformers.BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
-                                     encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=37,
-                                     decoder_ffn_dim=37, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
-                                     max_position_embeddings=64, use_cache=False, pad_token_id=1, bos_token_id=0,
-                                     eos_token_id=2, decoder_start_token_id=2)  # fmt: skip
-    return transformers.BartForConditionalGeneration(config)
+    return transformers.BartForConditionalGeneration(transformers.BartConfig(**_SEQ2SEQ))
+
+
+def nllb_moe_generator():
+    """NLLB-MoE: every second layer a mixture of 4 experts, 2 per token, whose outputs index_add_ sums back into the
+    tokens; a token sent to two experts is a repeated index, of which torch's exporter kept one (symbolics.index_add).
+    The capacities (64 tokens per expert in training, 4x the batch's tokens in eval) drop no token in either mode, so
+    eval mode routes as the training graph does (the eval graph is the training trace, as in the legacy ORTTrainer)."""
+    import transformers
+
+    config = transformers.NllbMoeConfig(**_SEQ2SEQ, num_experts=4, expert_capacity=64, moe_eval_capacity_token_fraction=4.0,
+                                        encoder_sparse_step=2, decoder_sparse_step=2, router_z_loss_coef=0.001,
+                                        router_aux_loss_coef=0.001, moe_token_dropout=0.0, router_dtype="float32",
+                                        second_expert_policy="all", encoder_layerdrop=0.0,
+                                        decoder_layerdrop=0.0)  # fmt: skip
+    return transformers.NllbMoeForConditionalGeneration(config)
 
 
 def squeezebert_classifier():
@@ -537,6 +554,7 @@ HUGGING_FACE_MODELS = {
     "mixtral-mixture-of-experts-lm": (mixtral_lm, causal_lm_batch, "tokens"),
     "t5": (t5_generator, seq2seq_batch, "tokens"),
     "bart": (bart_generator, functools.partial(seq2seq_batch, pad=1), "tokens"),
+    "nllb-moe-index-add-experts-generator": (nllb_moe_generator, functools.partial(seq2seq_batch, pad=1), "tokens"),
     "vit-image-classifier": (vit_classifier, vit_batch, "images"),
     "wav2vec2-audio-classifier": (wav2vec2_audio_classifier, audio_batch, "audio"),
     "bert-question-answering": (bert_question_answering, question_answering_batch, "tokens"),
