@@ -13,7 +13,7 @@ import onnx
 import torch
 from torch.onnx import symbolic_helper
 from torch.onnx._internal.torchscript_exporter import (_type_utils, registration, symbolic_opset9, symbolic_opset11,
-                                                        symbolic_opset14, symbolic_opset16)
+                                                        symbolic_opset13, symbolic_opset14, symbolic_opset16)
 from torch.onnx._internal.torchscript_exporter import utils as exporter_utils
 
 from . import rewrites
@@ -969,6 +969,17 @@ def _window_means(build, x, windows, chosen):
     return cells[0] if len(cells) == 1 else build.op("Concat", cells, axis=2 + len(chosen))
 
 
+def repeat_interleave(g, self, repeats, dim=None, output_size=None):
+    """torch's symbolic, on a constant of its own for ``dim``: torch's adds the rank to a negative dim in place, in
+    the tensor of the trace's constant, which the trace shares with every later use of the same number (Cohere's
+    rotary ``repeat_interleave(freqs, 2, dim=-1)`` on a rank-3 tensor turned the -1 of a later ``torch.stack`` into
+    2, and a softmax over dim=-1 would have run over another axis)."""
+    if not symbolic_helper._is_none(dim) and symbolic_helper._is_constant(dim):
+        dim = g.op("Constant", value_t=torch.tensor(symbolic_helper._get_const(dim, "i", "dim")))
+    torch_symbolic = symbolic_opset13.repeat_interleave if g.opset >= 13 else symbolic_opset9.repeat_interleave
+    return torch_symbolic(g, self, repeats, dim, output_size)
+
+
 # ScatterElements and ScatterND add the values sent to one place (reduction='add') from this opset on; before
 # it a scatter keeps one of them, where torch adds them all.
 _ADDING_SCATTER_OPSET = 16
@@ -1028,6 +1039,7 @@ _SYMBOLICS = {
     "index_put": index_put,
     "index_add": index_add,
     "scatter_add": scatter_add,
+    "repeat_interleave": repeat_interleave,
     "batch_norm": batch_norm,
     "scaled_dot_product_attention": scaled_dot_product_attention,
     "diff": diff,

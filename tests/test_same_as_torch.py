@@ -1243,3 +1243,27 @@ def test_sums_over_repeated_indices_train_under_mixed_precision(aggregation):
     float32, float16 = losses(False), losses(True)
     np.testing.assert_allclose(float16, float32, rtol=2e-2)
     assert float32[-1] < float32[0]
+
+
+class InterleavedRotaryAttention(nn.Module):
+    """Attention whose rotary angles are interleaved by ``repeat_interleave(..., dim=-1)`` (Cohere's, GPT-J's layout):
+    torch's symbolic added the rank to the trace's constant -1 in place, so the later ops reading -1 (the transpose,
+    the softmax) got 1 instead, and ONNX Runtime failed on the shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(8, 24), nn.Linear(8, 3)
+
+    def forward(self, x):
+        batch, length, _ = x.shape
+        q, k, v = self.qkv(x).view(batch, length, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        angles = (torch.arange(length, dtype=torch.float32)[:, None] * torch.tensor([1.0, 0.1])).repeat_interleave(2, dim=-1)
+        scores = (q * angles.cos()) @ (k * angles.cos()).transpose(-1, -2)
+        return self.out((scores.softmax(dim=-1) @ v).transpose(1, 2).reshape(batch, length, 8))
+
+
+def test_repeat_interleave_over_a_negative_dim_leaves_other_ops_dims_as_written():
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(2, length, 8, generator=generator), torch.randn(2, length, 3, generator=generator)) for length in (5, 7, 5)]
+    torch.manual_seed(0)
+    run_parity(InterleavedRotaryAttention(), batches, optim.SGDConfig(lr=0.1), sgd, loss_fn=F.mse_loss)

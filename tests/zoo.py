@@ -310,14 +310,25 @@ def bloom_lm():
     return transformers.BloomForCausalLM(config)
 
 
+_LLAMA_LIKE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=64, use_cache=False, pad_token_id=0, bos_token_id=1,
+                   eos_token_id=2)
+
+
 def llama_lm():
     """Llama's layout: rotary positions, RMSNorm, SiLU-gated MLP, grouped-query attention (4 heads, 2 key/value)."""
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**_LLAMA_LIKE))
+
+
+def cohere_lm():
+    """Cohere (Command-R): Llama's layout with LayerNorm, parallel attention and MLP, and rotary positions interleaved by
+    ``repeat_interleave(freqs, 2, dim=-1)``, whose torch symbolic turned the trace's shared -1 into 2 for the ops
+    after it (symbolics.repeat_interleave)."""
+    import transformers
+
+    return transformers.CohereForCausalLM(transformers.CohereConfig(**_LLAMA_LIKE, logit_scale=0.5))
 
 
 def mixtral_lm(experts="batched_mm"):
@@ -551,6 +562,7 @@ HUGGING_FACE_MODELS = {
     "roberta-masked-lm": (roberta_masked_lm, functools.partial(masked_lm_batch, pad=1), "tokens"),
     "gpt2-lm": (gpt2_lm, causal_lm_batch, "tokens"),
     "llama-lm": (llama_lm, causal_lm_batch, "tokens"),
+    "cohere-interleaved-rotary-lm": (cohere_lm, causal_lm_batch, "tokens"),
     "mixtral-mixture-of-experts-lm": (mixtral_lm, causal_lm_batch, "tokens"),
     "t5": (t5_generator, seq2seq_batch, "tokens"),
     "bart": (bart_generator, functools.partial(seq2seq_batch, pad=1), "tokens"),
