@@ -33,7 +33,7 @@ class Runtime:
 
     ``from_torch`` also fills ``aliases`` (tied weights: {alias: first name}), ``unexported_state``
     and ``batch_counters`` (torch state the graph does not hold), ``reference`` (a verify.Reference,
-    for the first-step check against torch) and ``export_sample`` (the batch and torch's
+    for the first-step check against torch), ``eval_reference`` (for the first eval_step's) and ``export_sample`` (the batch and torch's
     outputs, for debug.check_model_export). Runtimes of one trainer share ``weights``, these,
     ``owned`` and ``scales``.
     """
@@ -66,7 +66,7 @@ class Runtime:
         embedding_outputs = [name for e in self.embeddings for name in (e.rows_gradient, e.indices_output)]
         self.train_session.allocate_outputs([entry.name for entry in model_desc.outputs] + embedding_outputs)
         self.aliases, self.unexported_state, self.batch_counters = {}, {}, {}
-        self.reference = self.export_sample = self.index_ranges = None
+        self.reference = self.eval_reference = self.export_sample = self.index_ranges = None
         self.empty_inputs = []
 
     def bind_batch(self, bound, inputs) -> None:
@@ -273,6 +273,8 @@ def from_torch(source, exported, device, providers, data_parallel=None, shared=N
         runtime.aliases, runtime.unexported_state = shared.aliases, shared.unexported_state
         runtime.batch_counters = shared.batch_counters
     runtime.reference = reference  # the first train_step on this graph checks against it
+    if checked:  # and the first eval_step against the module in eval mode
+        runtime.eval_reference = verify.EvalReference(source.module, source.forward_names, exported.constants)
     for index, tensor in enumerate(exported.outputs):
         desc.add_type_to_output_description(index, tensor.dtype, getattr(desc.outputs[index], "dtype_amp", None))
     if options.debug.check_model_export:

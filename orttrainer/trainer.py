@@ -305,7 +305,23 @@ class ORTTrainer:
     def eval_step(self, *args, **kwargs):
         """Forward only, in inference mode (dropout off, BatchNorm on running statistics)."""
         inputs = self._ensure_initialized(args, kwargs)
+        if self._runtime.eval_reference is not None:
+            self._check_eval_against_torch(inputs)
         return self._returned(self._runtime.run_eval(inputs, self._requested_outputs()))
+
+    def _check_eval_against_torch(self, inputs):
+        """The built-in check at the first eval_step on a graph (verify.py): the eval graph's outputs on this
+        batch against the module's in eval mode on the same weights; nothing of the trainer's state changes."""
+        runtime = self._runtime
+        reference, runtime.eval_reference = runtime.eval_reference, None
+        output_names = [entry.name for entry in self.model_desc.outputs]
+        run_torch = functools.partial(verify.torch_eval, reference.module, self.loss_fn, reference.forward_names, inputs,
+                                      output_names=output_names, constants=reference.constants)  # fmt: skip
+        ort = verify.StepResult(dict(zip(output_names, runtime.run_eval(inputs, output_names))), {})
+        dtype = torch.float16 if self.options.mixed_precision.enabled else torch.float32
+        where = graph.where_in_graph(runtime.onnx_model, output_names)
+        verify.check(ort, run_torch, runtime.weights, dtype, where, self.options.debug.check_against_torch,
+                     subject=verify.FIRST_EVAL)  # fmt: skip
 
     # ------------------------------------------------------------- state dict
     def state_dict(self, pytorch_format=False):

@@ -10,6 +10,10 @@ Why dropout off, on both sides: the two sides cannot draw the same masks, and wi
 dropout off everything but the dropout itself is compared; dropout's own gradient is
 tested separately (tests/test_dropout.py).
 
+The first ``eval_step`` on a graph is checked the same way, outputs only, against the module in eval
+mode (``torch_eval``): the eval graph is the training trace in inference mode, so a branch forward
+takes only in eval mode is not in it.
+
 A mismatch raises :class:`TorchMismatchError` naming each differing tensor, the largest
 absolute and relative differences, the ONNX node that produced it and the torch module
 it belongs to (``debug.check_against_torch``: "error", "warn" or "off").
@@ -81,6 +85,13 @@ class StepResult:
     buffers: dict = field(default_factory=dict)  # buffer name -> value after the step
 
 
+def _copy_holding(module, weights: dict):
+    """A copy of ``module`` holding ``weights`` (on the CPU); the module itself stays as it is."""
+    module = copy.deepcopy(module)
+    module.load_state_dict({name: tensor.detach().cpu() for name, tensor in weights.items()}, strict=False)
+    return module
+
+
 def torch_step(module, loss_fn, forward_names, inputs, weights: dict, output_names, loss_name, trained,
                constants=None) -> StepResult:  # fmt: skip
     """Forward + loss + backward of a copy of ``module`` holding ``weights``, dropout off.
@@ -89,8 +100,7 @@ def torch_step(module, loss_fn, forward_names, inputs, weights: dict, output_nam
     whose gradients are compared (a weight torch leaves without gradient counts as zero);
     ``constants`` are the step's keywords that forward gets as they are (``return_loss=True``).
     """
-    module = copy.deepcopy(module)
-    module.load_state_dict({name: tensor.detach().cpu() for name, tensor in weights.items()}, strict=False)
+    module = _copy_holding(module, weights)
     _without_activation_checkpointing(module)
     wrapper = export.with_loss(module, loss_fn, forward_names, constants)
     with torch.enable_grad(), _NoDropout():
@@ -113,6 +123,19 @@ def torch_step(module, loss_fn, forward_names, inputs, weights: dict, output_nam
     return StepResult(dict(zip(output_names, (out.detach() for out in outputs))), gradients, buffers)
 
 
+def torch_eval(module, loss_fn, forward_names, inputs, weights: dict, output_names, constants=None) -> StepResult:
+    """Forward + loss of a copy of ``module`` holding ``weights``, in eval mode: what eval_step must give.
+
+    Grad mode stays on, as in the trace: without it ``nn.MultiheadAttention`` and the transformer layers take a
+    fast path in eval mode, which gives the padded positions other values."""
+    module = _copy_holding(module, weights).eval()
+    wrapper = export.with_loss(module, loss_fn, forward_names, constants)
+    with torch.enable_grad():
+        outputs = wrapper(*[tensor.cpu() for tensor in inputs])
+    outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+    return StepResult(dict(zip(output_names, (out.detach() for out in outputs))), {})
+
+
 def _without_activation_checkpointing(module) -> None:
     """Turn off transformers' activation (gradient) checkpointing on ``module``: it runs forward again
     inside backward, where _NoDropout is not active. The gradients are the same without it."""
@@ -122,6 +145,15 @@ def _without_activation_checkpointing(module) -> None:
             if getattr(module, flag):
                 getattr(module, disable)()
             return
+
+
+@dataclass
+class EvalReference:
+    """The torch side of a graph's first eval_step check: the module, and how its forward is called."""
+
+    module: torch.nn.Module
+    forward_names: list
+    constants: dict  # the step's constants the graph was exported with
 
 
 @dataclass
@@ -248,21 +280,31 @@ def rounding_spread(run_torch, weights: dict, reference: StepResult, dtype: torc
     return spread
 
 
-def check(ort: StepResult, run_torch, weights: dict, dtype: torch.dtype, where: dict, mode: str, reference=None) -> None:
+# What a mismatch means, by the step checked.
+FIRST_STEP = ("orttrainer's first step differs from torch autograd on the same batch and weights (dropout off on both "
+              "sides), so training would not do what torch does")  # fmt: skip
+FIRST_EVAL = ("eval_step differs from the module in eval mode on the same batch and weights. The eval graph is the "
+              "training graph run in inference mode (dropout off, BatchNorm on its running statistics), as in the legacy "
+              "ORTTrainer, so a branch forward takes only when not self.training is not in it; evaluate with the module "
+              "itself (trainer.sync_to_module(), then model.eval())")  # fmt: skip
+
+
+def check(ort: StepResult, run_torch, weights: dict, dtype: torch.dtype, where: dict, mode: str, reference=None,
+          subject=FIRST_STEP) -> None:  # fmt: skip
     """Compare ``ort`` with torch's step on ``weights`` (``reference``, or ``run_torch(weights)``, see
-    ``torch_step``); differences that rounding at a kink explains are excused (``rounding_spread``);
-    report the rest."""
+    ``torch_step`` and ``torch_eval``); differences that rounding at a kink explains are excused
+    (``rounding_spread``); report the rest under ``subject``."""
     if mode == "off":
         return
     reference = reference if reference is not None else run_torch(weights)
     differences = compare(ort, reference, dtype, where)
     if differences:
         differences = compare(ort, reference, dtype, where, rounding_spread(run_torch, weights, reference, dtype))
-    report(differences, mode)
+    report(differences, mode, subject)
 
 
-def report(differences: list, mode: str) -> None:
-    """Raise (mode "error") or warn (mode "warn") about ``differences``."""
+def report(differences: list, mode: str, subject=FIRST_STEP) -> None:
+    """Raise (mode "error") or warn (mode "warn") about ``differences``, saying first what they mean (``subject``)."""
     if not differences or mode == "off":
         return
     lines = [
@@ -270,10 +312,7 @@ def report(differences: list, mode: str) -> None:
         f"largest relative {d.largest_relative:.3g}"
         for d in differences
     ]
-    message = (
-        "orttrainer's first step differs from torch autograd on the same batch and weights (dropout off on both "
-        "sides), so training would not do what torch does:\n- " + "\n- ".join(lines) + "\n" + _HOW_TO_CHANGE
-    )
+    message = subject + ":\n- " + "\n- ".join(lines) + "\n" + _HOW_TO_CHANGE
     if mode == "error":
         raise TorchMismatchError(message)
     warnings.warn(message, stacklevel=3)

@@ -1104,6 +1104,33 @@ def test_attributes_forward_sets_in_eval_mode_do_not_reach_the_training_graph():
         checked.train_step(*batches[0])
 
 
+@pytest.mark.parametrize("mode", ["error", "warn", "off"])
+def test_first_eval_step_of_a_graph_is_checked_against_the_module_in_eval_mode(mode):
+    """A branch forward takes in eval mode only is not in the eval graph (the training trace in inference mode): the
+    first eval_step on each graph compares with the module in eval mode and says so; it returned other values
+    silently (NLLB-MoE's eval-mode expert capacity)."""
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 4, generator=generator), torch.randn(8, 4, generator=generator)
+    torch.manual_seed(0)
+    model = EvalOnlyBookkeeping()
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.mse_loss,
+                         options=cpu_options({"debug": {"check_against_torch": mode}}))  # fmt: skip
+    trainer.train_step(x, y)
+    message = r"eval_step differs from the module in eval mode .* a branch forward takes only when not self.training"
+    if mode == "error":
+        with pytest.raises(TorchMismatchError, match=r"(?s)" + message + r".*\n- output 'loss'.*\n- output 'output'"):
+            trainer.eval_step(x, y)
+        return
+    with warnings.catch_warnings(record=True) as heard:
+        warnings.simplefilter("always")
+        loss, output = trainer.eval_step(x, y)
+        trainer.eval_step(x, y)  # once per graph
+    assert len([w for w in heard if "eval_step differs" in str(w.message)]) == (mode == "warn")
+    trained = trainer.state_dict(pytorch_format=True)
+    torch.testing.assert_close(output, x @ trained["linear.weight"].T + trained["linear.bias"])  # the training-mode branch
+    assert model.scale == 1.0 and not hasattr(model, "seen_in_eval"), "the user's module changed"
+
+
 class LargestIdPicks(nn.Module):
     """torch.max / torch.min over a dim of integer tensors (LongT5's block ids): torch's symbolic, where the float one
     gave ONNX's IsNaN an int64 input and the build failed inside ONNX Runtime."""
