@@ -398,6 +398,10 @@ _DIFFERENT = [
 _FROM_VALUES = ("a Python value (an `if`, int(), float(), .item()) computed from the values of the batch or the "
                 "weights: the trace keeps what the first batch gave, for every batch; use tensor ops (torch.where, masks) "
                 "or train this model with torch")
+_FROM_RANDOM = ("a Python value (an `if`, int(), float(), .item()) computed from a random draw (torch.rand: LayerDrop, "
+                "a random skip of a layer): the trace keeps the first draw, so every step would take the same branch; "
+                "draw with tensor ops (torch.where on the draw), or turn the random skip off (transformers: "
+                "config.layerdrop, encoder_layerdrop, decoder_layerdrop = 0.0)")  # fmt: skip
 _CONSTANT_TENSOR = r"torch\.tensor results are registered as constants"
 _FROZEN_VALUE = rf"Converting a tensor to a Python (integer|float|number|index|boolean)|Iterating over a tensor|{_CONSTANT_TENSOR}"
 
@@ -446,12 +450,14 @@ def _is_harmless(heard: _Heard) -> bool:
     return any(issubclass(heard.category, category) and re.search(pattern, heard.message) for category, pattern in _HARMLESS)
 
 
-def _mutation_problem(found: re.Match, state_names, changed_inputs):
+def _mutation_problem(found: re.Match, state_names, changed_state, changed_inputs):
     """Why the in-place op of a ``_MUTATION`` warning (``found``), which the exporter turned into a copy, makes
     the graph differ, or None (harmless: it changed a tensor made from the batch, not the batch or the
-    module's state)."""
+    module's state). The exporter names the values of ``tensor[mask] = value`` as the input an ``index_put_``
+    changes when they are a weight (Wav2Vec2's masked_spec_embed): a weight the trace left unchanged is not taken
+    for changed there."""
     op, target = found.group(1), found.group(2)
-    if target in state_names:
+    if target in state_names and (target in changed_state or op != "aten::index_put_"):
         return (f"forward changes the buffer '{target[len(_WRAPPED):]}' in place ({op}), and the graph cannot: torch would "
                 "update it every step, orttrainer never")
     if changed_inputs:
@@ -472,21 +478,32 @@ _TO_PYTHON = (torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float_
               torch.Tensor.item, torch.Tensor.tolist)  # fmt: skip
 
 
-def _reads_values(value) -> bool:
-    """True when the traced ``value`` depends on the values of a graph input (batch or weights),
-    not only on shapes: some path from it back to an input avoids the size ops."""
-    seen, pending = set(), [value]
+# Traced ops that draw random numbers: a Python value computed from one (LayerDrop's ``torch.rand([]) < p``) is a
+# draw the trace keeps for every step.
+_RANDOM_OPS = frozenset(f"aten::{name}" for name in (
+    "rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm", "bernoulli", "bernoulli_",
+    "normal", "normal_", "uniform_", "multinomial", "exponential_", "geometric_", "cauchy_", "log_normal_", "random_",
+    "poisson"))  # fmt: skip
+
+
+def _frozen_from(value):
+    """Why the trace must not freeze the traced ``value`` as a Python value: ``_FROM_RANDOM`` when it depends on a
+    random draw, ``_FROM_VALUES`` when on the values of a graph input (batch or weights), not only on shapes (some path
+    from it back to an input avoids the size ops); None when it depends on shapes alone."""
+    seen, pending, found = set(), [value], None
     while pending:
         value = pending.pop()
         if value.unique() in seen:
             continue
         seen.add(value.unique())
         node = value.node()
+        if node.kind() in _RANDOM_OPS:
+            return _FROM_RANDOM
         if node.kind() == "prim::Param":
-            return True
-        if node.kind() not in _SHAPE_OPS:
+            found = _FROM_VALUES
+        elif node.kind() not in _SHAPE_OPS:
             pending.extend(node.inputs())
-    return False
+    return found
 
 
 def _holds_no_values(data) -> bool:
@@ -502,7 +519,7 @@ class _ValuesTurnedPython(TorchFunctionMode):
 
     def __init__(self):
         super().__init__()
-        self.from_values = set()  # user locations (``_user_location``)
+        self.from_values = {}  # user location (``_user_location``) -> why its value must not be frozen (``_frozen_from``)
         self.making_empty_tensor = False  # a torch.tensor of no values is under way (``_holds_no_values``)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -518,8 +535,9 @@ class _ValuesTurnedPython(TorchFunctionMode):
             traced = torch._C._get_value_trace(args[0])
         except RuntimeError:  # not traced: a constant of the forward
             traced = None
-        if traced is not None and _reads_values(traced):
-            self.from_values.add(_user_location())
+        why = None if traced is None else _frozen_from(traced)
+        if why is not None:
+            self.from_values.setdefault(_user_location(), why)
         return func(*args, **(kwargs or {}))
 
     @staticmethod
@@ -564,12 +582,12 @@ class _ExporterWarnings:
     one, with the reason) are dropped; all others reach the user unchanged.
     """
 
-    def __init__(self, values: _ValuesTurnedPython, inputs: dict, state_names):
-        self.values, self.inputs, self.state_names = values, inputs, set(state_names)
+    def __init__(self, values: _ValuesTurnedPython, inputs: dict, state: dict):
+        self.values, self.inputs, self.state = values, inputs, state
 
     def __enter__(self):
         self.heard = []
-        self._versions = {name: tensor._version for name, tensor in self.inputs.items()}
+        self._versions = {name: tensor._version for name, tensor in {**self.inputs, **self.state}.items()}
         self._catcher = warnings.catch_warnings()
         self._catcher.__enter__()
         warnings.simplefilter("always")  # every occurrence, not once per location: each may name another line
@@ -589,17 +607,18 @@ class _ExporterWarnings:
             return False
         problems, self.frozen_values = [], []
         changed = [name for name, tensor in self.inputs.items() if tensor._version != self._versions[name]]
+        changed_state = {name for name, tensor in self.state.items() if tensor._version != self._versions[name]}
         for heard in self.heard:
             if _is_harmless(heard):
                 continue
             mutation = re.search(_MUTATION, heard.message)
             if mutation is not None:
-                reason = _mutation_problem(mutation, self.state_names, changed)
+                reason = _mutation_problem(mutation, self.state, changed_state, changed)
                 if reason is not None and f"{heard.describe()}: {reason}" not in problems:
                     problems.append(f"{heard.describe()}: {reason}")
                 continue
             if re.search(_FROZEN_VALUE, heard.message) and heard.where in self.values.from_values:
-                problem = f"{heard.describe()}: {_FROM_VALUES}"
+                problem = f"{heard.describe()}: {self.values.from_values[heard.where]}"
                 problems += [problem] if problem not in problems else []
                 continue
             if re.search(_FROZEN_VALUE, heard.message):
@@ -691,10 +710,10 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
     try:
         values = _ValuesTurnedPython()
         inputs_by_name = {name: tensor for (name, _), tensor in zip(desc_inputs, inputs)}
-        state_names = [_WRAPPED + name for name in model.state_dict()]
+        state = {_WRAPPED + name: tensor for name, tensor in model.state_dict().items()}
         # autograd on whatever the caller's mode (an eval_step under torch.no_grad() builds a graph that trains)
         with torch.random.fork_rng(devices=devices), symbolics.exporting(), torch.enable_grad(), \
-                _keeping_no_activations(), _ExporterWarnings(values, inputs_by_name, state_names) as heard, \
+                _keeping_no_activations(), _ExporterWarnings(values, inputs_by_name, state) as heard, \
                 _functions_as_their_forward(), _NoGradResultsDetached(), values:
             torch.onnx.export(
                 wrapper,
@@ -761,8 +780,10 @@ def refuse_data_dependent_trace(first: bytes, again: bytes, frozen_values) -> No
     ``first`` (both serialized without the weights)."""
     if first != again:
         raise ExportError(
-            "the exported graph depends on the values of the batch it was traced with (a batch of other values "
-            "gives another graph), so it would train every later batch as if it were the first. Values frozen at:\n- "
+            "the exported graph depends on the values of the batch it was traced with, or on random draws outside "
+            "torch (numpy's, Python's random: SpecAugment's masks), since a batch of other values gives another "
+            "graph; so it would train every later batch as if it were the first. Values frozen at:\n- "
             + "\n- ".join(frozen_values)
-            + "\nKeep these computations in tensor ops, or train this model with torch."
+            + "\nKeep these computations in tensor ops, turn the random masking off (transformers: "
+            "config.mask_time_prob, mask_feature_prob = 0.0), or train this model with torch."
         )

@@ -1019,15 +1019,45 @@ def index_add(g, self, dim, index, source, alpha=None):
     return g.op("ScatterElements", self, index, source, axis_i=dim, reduction_s="add")
 
 
+def _broadcast_mask(self, indices, values):
+    """The mask of ``self[mask] = values`` when ``values`` is one value per selected element's position (broadcast
+    to every selected element: Wav2Vec2's ``hidden_states[mask_time_indices] = self.masked_spec_embed``), else None."""
+    listed = symbolic_helper._unpack_list(indices) if symbolic_helper._is_packed_list(indices) else [indices]
+    if len(listed) != 1 or not symbolic_helper._is_bool(listed[0]):
+        return None
+    ranks = [symbolic_helper._get_tensor_rank(value) for value in (self, listed[0], values)]
+    if None in ranks:
+        return None
+    data_rank, mask_rank, values_rank = ranks
+    per_position = 0 < values_rank <= data_rank - mask_rank
+    return listed[0] if per_position else None
+
+
 def index_put(g, self, indices, values, accumulate=False):
-    """torch's symbolic, except with ``accumulate=True`` and integer indices: one ScatterND adding into ``self``,
-    repeated indices included. torch's scatters into zeros without reduction, which keeps one value per repeated
-    index. A boolean mask (each element at most once) is placed into -0 zeros, the identity of +, and added."""
-    if not symbolic_helper._parse_arg(accumulate, "b"):
+    """torch's symbolic, except:
+
+    - ``accumulate=True`` with integer indices: one ScatterND adding into ``self``, repeated indices included.
+      torch's scatters into zeros without reduction, which keeps one value per repeated index. A boolean mask
+      (each element at most once) is placed into -0 zeros, the identity of +, and added;
+    - a boolean mask whose values broadcast to every selected element (``_broadcast_mask``): a Where.
+      torch's passed them to a masked_scatter, which takes one value per selected element, and ONNX Runtime
+      failed on the shapes."""
+    if symbolic_helper._parse_arg(accumulate, "b"):
+        return _accumulated(g, self, indices, values)
+    mask = _broadcast_mask(self, indices, values)
+    if mask is None:
         return symbolic_opset11.index_put(g, self, indices, values, accumulate)
+    mask_rank, data_rank = symbolic_helper._get_tensor_rank(mask), symbolic_helper._get_tensor_rank(self)
+    mask = symbolic_helper._unsqueeze_helper(g, mask, list(range(mask_rank, data_rank)))
+    scalar_type = _type_utils.JitScalarType.from_value(self)
+    return g.op("Where", mask, g.op("Cast", values, to_i=scalar_type.onnx_type()), self)
+
+
+def _accumulated(g, self, indices, values):
+    """``self.index_put(indices, values, accumulate=True)`` (see ``index_put``)."""
     scalar_type = _type_utils.JitScalarType.from_value(self)
     zeros = g.op("ConstantOfShape", g.op("Shape", self), value_t=torch.tensor([-0.0], dtype=scalar_type.dtype()))
-    placed = symbolic_opset11.index_put(g, zeros, indices, values, False)
+    placed = index_put(g, zeros, indices, values, False)
     if placed.node().kind() != "onnx::ScatterND":
         return g.op("Add", self, placed)
     _refuse_before_adding_scatters(g, "index_put with accumulate=True")

@@ -312,6 +312,19 @@ class MutatesBuffer(nn.Module):
         return self.fc(x)
 
 
+class WritesIntoBuffer(nn.Module):
+    """``buffer[mask] = value`` (an index_put_ on the buffer itself), as a memory bank of features does."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("bank", torch.zeros(3, 4))
+
+    def forward(self, x):
+        self.bank[x[:, 0] > 0] = self.fc(x).detach().mean(0)
+        return self.fc(x) + self.bank.sum()
+
+
 class MutatesItsInput(nn.Module):
     def __init__(self):
         super().__init__()
@@ -325,8 +338,9 @@ class MutatesItsInput(nn.Module):
 @pytest.mark.parametrize(
     "module, message",
     [(MutatesBuffer, r"forward changes the buffer 'calls' in place \(aten::add_\)"),
+     (WritesIntoBuffer, r"forward changes the buffer 'bank' in place \(aten::index_put_\)"),
      (MutatesItsInput, r"forward changes its input 'x' in place \(aten::mul_\): torch's caller sees the change")],
-    ids=["buffer-mutated-in-forward", "input-mutated-in-forward"],
+    ids=["buffer-mutated-in-forward", "buffer-written-by-mask", "input-mutated-in-forward"],
 )  # fmt: skip
 def test_trace_that_would_differ_from_the_module_is_refused_naming_the_line(module, message):
     trainer = ORTTrainer(module(), None, optim.SGDConfig(lr=0.1), loss_fn=F.mse_loss, options=cpu_options())
@@ -404,6 +418,31 @@ def test_python_value_from_the_data_or_weights_is_refused_at_the_first_batch_nam
                                           r"of the batch or the weights"):
         trainer.train_step(torch.randn(3, 4), torch.randn(3, 4))
     assert trainer._training_session is None
+
+
+class LayerDrop(nn.Module):
+    """Skips its second layer at random in training, as transformers' LayerDrop does (``torch.rand([]) < p``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        x = torch.relu(self.first(x))
+        if self.training and torch.rand([]) < 0.5:
+            return x
+        return self.second(x)
+
+
+def test_python_branch_on_a_random_draw_is_refused_naming_the_line():
+    """The trace keeps the first draw's branch for every step: the layer was never skipped, or always. The draw's
+    value depends on no input, so it passed as a value of shapes alone, and the values check (a second export of the
+    same shapes) drew the same branch again half the time."""
+    trainer = ORTTrainer(LayerDrop(), None, optim.SGDConfig(lr=0.1), loss_fn=F.mse_loss, options=cpu_options())
+    with pytest.raises(ExportError, match=r"test_same_as_torch.py:\d+: if self.training and torch.rand\(\[\]\) < 0.5:: a "
+                                          r"Python value .* computed from a random draw .* every step would take the same "
+                                          r"branch"):  # fmt: skip
+        trainer.train_step(torch.randn(3, 4), torch.randn(3, 4))
 
 
 def test_value_frozen_from_a_fixed_width_trains_like_torch_at_every_batch_shape():
@@ -1236,6 +1275,34 @@ def test_accumulation_through_a_boolean_mask_trains_like_torch():
     batches = [(torch.randn(5, 4, generator=generator), torch.randn(5, 4, generator=generator)) for _ in range(3)]
     torch.manual_seed(0)
     run_parity(MaskedAccumulation(), batches, optim.SGDConfig(lr=0.1), sgd, loss_fn=F.mse_loss)
+
+
+class MaskedPositions(nn.Module):
+    """Positions a mask chooses get a learned embedding (``hidden[mask] = embedding``, Wav2Vec2's and HuBERT's masked
+    time steps given to forward), or have it added (``accumulate=True``): one value per position, broadcast to every
+    chosen one."""
+
+    def __init__(self, accumulate):
+        super().__init__()
+        self.fc, self.embedding, self.accumulate = nn.Linear(4, 4), nn.Parameter(torch.randn(4)), accumulate
+
+    def forward(self, x, mask):
+        hidden = self.fc(x)
+        if self.accumulate:
+            return hidden.index_put((mask,), self.embedding * 2, accumulate=True)
+        hidden[mask] = self.embedding
+        return hidden
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["set", "accumulate"])
+def test_a_value_broadcast_to_the_positions_a_mask_chooses_trains_like_torch(accumulate):
+    """torch's exporter gave the value to a masked_scatter, which takes one value per chosen element: ONNX Runtime
+    failed on the shapes (setting), or the first chosen element alone got it (accumulating)."""
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(3, 5, 4, generator=generator), torch.rand(3, 5, generator=generator) < 0.4,
+                torch.randn(3, 5, 4, generator=generator)) for _ in range(3)]  # fmt: skip
+    torch.manual_seed(0)
+    run_parity(MaskedPositions(accumulate), batches, optim.SGDConfig(lr=0.1), sgd, loss_fn=F.mse_loss)
 
 
 class ScatterMaximum(nn.Module):

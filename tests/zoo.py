@@ -491,7 +491,7 @@ def clip_model():
     return transformers.CLIPModel(config)
 
 
-def wav2vec2_audio_classifier():
+def wav2vec2_audio_classifier(**config_changes):
     """Wav2Vec2 on raw audio: a strided Conv1d feature extractor with GroupNorm, a grouped positional
     convolution under weight norm, an attention encoder, mean pooling into a classifier. Its attention's
     gradient came out wrong under ONNX Runtime's MatMulScaleFusion (session._DISABLED_OPTIMIZERS), most likely
@@ -504,6 +504,8 @@ def wav2vec2_audio_classifier():
         feat_extract_norm="group", hidden_dropout=0.0, activation_dropout=0.0, attention_dropout=0.0, feat_proj_dropout=0.0,
         final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0, apply_spec_augment=False, classifier_proj_size=16, num_labels=3,
     )  # fmt: skip
+    for key, value in config_changes.items():
+        setattr(config, key, value)
     return transformers.Wav2Vec2ForSequenceClassification(config)
 
 
