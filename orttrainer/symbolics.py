@@ -12,8 +12,9 @@ import numpy as np
 import onnx
 import torch
 from torch.onnx import symbolic_helper
-from torch.onnx._internal.torchscript_exporter import (_type_utils, registration, symbolic_opset9, symbolic_opset11,
-                                                        symbolic_opset13, symbolic_opset14, symbolic_opset16)
+from torch.onnx._internal.torchscript_exporter import (_type_utils, registration, symbolic_opset9, symbolic_opset10,
+                                                        symbolic_opset11, symbolic_opset13, symbolic_opset14,
+                                                        symbolic_opset16)
 from torch.onnx._internal.torchscript_exporter import utils as exporter_utils
 
 from . import rewrites
@@ -734,10 +735,138 @@ def channel_shuffle(g, x, groups):
     return build.op("Reshape", [swapped, shape])
 
 
+# p-norms torch's symbolic writes as one reduction (ReduceL1, ReduceL2, ReduceMax of |x|, ... which rewrites.py trains
+# as torch does); any other p is a sum of |x|^p and its root.
+_REDUCED_NORMS = (0.0, 1.0, 2.0, float("inf"), float("-inf"))
+
+
+def _root_with_zero_gradient_at_zero(build, total, exponent, dtype):
+    """``total ** exponent`` (a square root, a p-norm's root) whose gradient is 0 where ``total`` is 0, as torch's
+    std, norm and cdist backwards mask it: the root's own gradient is infinite there, and times the 0 coming from
+    the sum before it, NaN (a padding row's std turned every weight into NaN). The root reads 1 in place of 0,
+    through a Where both ways, so no gradient reaches the 0. ``dtype``: ``total``'s, as numpy's."""
+    zero = build.op("Equal", [total, build.const(0.0, dtype)])
+    safe = build.op("Where", [zero, build.const(1.0, dtype), total])
+    root = build.op("Sqrt", [safe]) if exponent == 0.5 else build.op("Pow", [safe, build.const(exponent, dtype)])
+    return build.op("Where", [zero, build.const(0.0, dtype), root])
+
+
+def _p_norm(build, x, order, axes, keepdim, dtype):
+    """(sum over ``axes`` of |x|^order)^(1 / order), its gradient 0 at a zero norm (``_root_with_zero_gradient_at_zero``);
+    ``dtype``: x's, as numpy's."""
+    powered = build.op("Pow", [build.op("Abs", [x]), build.const(order, dtype)])
+    total = build.reduce("ReduceSum", powered, axes, int(keepdim))
+    return _root_with_zero_gradient_at_zero(build, total, 1.0 / order, dtype)
+
+
+@symbolic_helper.parse_args("v", "f", "is", "b", "v")
+def linalg_vector_norm(g, x, order, dim, keepdim, dtype):
+    """torch.linalg.vector_norm (torch.norm, Tensor.norm, F.normalize): torch's symbolic, except a p other than 0, 1,
+    2 and ±inf, whose root torch's wrote without torch's zero gradient at a zero norm (``_p_norm``)."""
+    if order in _REDUCED_NORMS or not symbolic_helper._is_none(dtype):
+        return symbolic_helper._linalg_vector_norm_helper(g, x, order, dim, keepdim, dtype)
+    element_type = _numpy_dtype(x)
+    if symbolic_helper._is_none(dim) or not dim:
+        x, dim, keepdim = symbolic_helper._reshape_helper(g, x, [-1]), [0], False
+    return _p_norm(_ExportGraph(g), x, order, dim, keepdim, element_type)
+
+
 def _vector_norm(g, x, order, dim, keepdim):
-    """torch.linalg.vector_norm(x, order, dim, keepdim), as torch's symbolic writes it (ReduceL1,
-    ReduceL2, ... which rewrites.py trains as torch does)."""
-    return symbolic_helper._linalg_vector_norm_helper(g, x, order, [dim], keepdim, None)
+    """torch.linalg.vector_norm(x, order, dim, keepdim) over one dim, as ``linalg_vector_norm`` writes it."""
+    if order in _REDUCED_NORMS:
+        return symbolic_helper._linalg_vector_norm_helper(g, x, order, [dim], keepdim, None)
+    return _p_norm(_ExportGraph(g), x, order, [dim], keepdim, _numpy_dtype(x))
+
+
+def _moments(g, x, args, root):
+    """(variance or, with ``root``, standard deviation; mean) of torch.var_mean / std_mean's arguments, computed in
+    float64 as torch's CPU kernels accumulate them (in float32 the squares of 1e20 overflowed and of 1e-30 vanished),
+    then rounded to x's type. The root has torch's gradient 0 where the deviation is 0 (a constant row: padding, the
+    Annotated Transformer's LayerNorm ``(x - mean) / (x.std() + eps)``), where torch's symbolic gave NaN."""
+    element_type = _type_utils.JitScalarType.from_value(x).onnx_type()
+    wide = g.op("Cast", x, to_i=onnx.TensorProto.DOUBLE)
+    wide.setType(x.type().with_dtype(torch.float64))
+    variance, mean = symbolic_opset9.var_mean(g, wide, *args)
+    if root:
+        variance = _root_with_zero_gradient_at_zero(_ExportGraph(g), variance, 0.5, np.float64)
+    return tuple(g.op("Cast", value, to_i=element_type) for value in (variance, mean))
+
+
+def var(g, x, *args):
+    return _moments(g, x, args, root=False)[0]
+
+
+def var_mean(g, x, *args):
+    return _moments(g, x, args, root=False)
+
+
+def std(g, x, *args):
+    return _moments(g, x, args, root=True)[0]
+
+
+def std_mean(g, x, *args):
+    return _moments(g, x, args, root=True)
+
+
+# torch.cdist's compute_mode: 0 (None) takes the matrix-product form for p = 2 when either side has more than 25 rows
+_CDIST_ALWAYS_PRODUCT, _CDIST_NEVER_PRODUCT, _CDIST_PRODUCT_ROWS = 1, 2, 25
+
+
+@symbolic_helper.parse_args("v", "v", "f", "v")
+def cdist(g, x1, x2, p, compute_mode):
+    """torch.cdist, in the form torch computes it: for p = 2 with more than 25 rows on either side (or compute_mode
+    'use_mm_for_euclid_dist') torch's _euclidean_dist, one matrix product of [-2 x1, |x1|^2, 1] and [x2, 1, |x2|^2];
+    otherwise the p-norm of every difference. Both with torch's gradient 0 at distance 0. torch's symbolic summed
+    signed differences for p = 1 and gave NaN gradients at distance 0. The row counts decide, so they must be
+    static unless compute_mode says which form."""
+    mode = symbolic_helper._maybe_get_const(compute_mode, "i")
+    mode = 0 if symbolic_helper._is_none(compute_mode) else mode
+    rows = [symbolic_helper._get_tensor_dim_size(x, -2) for x in (x1, x2)]
+    build, dtype = _ExportGraph(g), _numpy_dtype(x1)
+    if p == 2 and mode == 0 and None in rows:
+        raise ValueError(f"cdist in module '{_module_scope(g)}' over a number of rows that changes with the batch: torch "
+                         f"computes it by a matrix product above {_CDIST_PRODUCT_ROWS} rows and by differences below, "
+                         "which round differently; pass compute_mode='use_mm_for_euclid_dist' or "
+                         "'donot_use_mm_for_euclid_dist' to torch.cdist")  # fmt: skip
+    if p == 2 and (mode == _CDIST_ALWAYS_PRODUCT or (mode != _CDIST_NEVER_PRODUCT and max(rows) > _CDIST_PRODUCT_ROWS)):
+        return _euclidean_distances(build, x1, x2, dtype)
+    if not p >= 1 or p == float("inf"):
+        raise ValueError(f"cdist in module '{_module_scope(g)}' with p={p}: orttrainer trains p >= 1 finite")
+    differences = build.op("Sub", [build.unsqueeze(x1, [-2]), build.unsqueeze(x2, [-3])])
+    if p == 1:
+        return build.reduce("ReduceSum", build.op("Abs", [differences]), [-1], 0)
+    if p == 2:
+        squares = build.op("Pow", [differences, build.const(2.0, dtype)])  # a Mul reading them twice broke the builder
+        total = build.reduce("ReduceSum", squares, [-1], 0)
+        return _root_with_zero_gradient_at_zero(build, total, 0.5, dtype)
+    return _p_norm(build, differences, p, [-1], False, dtype)
+
+
+def _euclidean_distances(build, x1, x2, dtype):
+    """torch's _euclidean_dist: sqrt(clamp_min(-2 x1 @ x2^T + |x1|^2 + |x2|^2, 0)). torch adds the squared norms
+    inside its product (as two more columns); here after it, which rounds alike up to the order of the sum (with
+    the columns, ONNX Runtime's gradient builder failed on a duplicate name)."""
+    rank = symbolic_helper._get_tensor_rank(x2)
+    swap = list(range(rank - 2)) + [rank - 1, rank - 2]
+    products = build.op("MatMul", [build.op("Mul", [x1, build.const(-2.0, dtype)]), build.op("Transpose", [x2], perm=swap)])
+    squared = [build.reduce("ReduceSum", build.op("Pow", [x, build.const(2.0, dtype)]), [-1], 1) for x in (x1, x2)]
+    total = build.op("Add", [build.op("Add", [products, squared[0]]), build.op("Transpose", [squared[1]], perm=swap)])
+    return _root_with_zero_gradient_at_zero(build, build.op("Max", [total, build.const(0.0, dtype)]), 0.5, dtype)
+
+
+def floor_divide(g, x, divisor):
+    """``x // divisor`` rounds down, as torch does; torch's symbolic truncated towards 0 ("deprecated behavior",
+    its comment says), so -3 // 2 was -1, not -2 (relative positions, window indices)."""
+    return symbolic_opset10._floor_divide(g, x, divisor) if g.opset >= 10 else symbolic_opset9._floor_divide(g, x, divisor)
+
+
+def baddbmm(g, x, batch1, batch2, beta, alpha):
+    """torch's symbolic, except with beta = 0, where torch ignores ``x``: NaN and inf in it do not reach the result."""
+    if symbolic_helper._maybe_get_const(beta, "f") != 0:
+        return symbolic_opset9.baddbmm(g, x, batch1, batch2, beta, alpha)
+    scalar_type = _type_utils.JitScalarType.from_value(x)
+    product = g.op("MatMul", batch1, batch2)
+    return g.op("Mul", product, g.op("Cast", alpha, to_i=scalar_type.onnx_type()))
 
 
 @symbolic_helper.parse_args("v", "v", "f", "f", "b")
@@ -1070,6 +1199,15 @@ _SYMBOLICS = {
     "index_add": index_add,
     "scatter_add": scatter_add,
     "repeat_interleave": repeat_interleave,
+    "linalg_vector_norm": linalg_vector_norm,
+    "var": var,
+    "var_mean": var_mean,
+    "std": std,
+    "std_mean": std_mean,
+    "cdist": cdist,
+    "floor_divide": floor_divide,
+    "floordiv": floor_divide,
+    "baddbmm": baddbmm,
     "batch_norm": batch_norm,
     "scaled_dot_product_attention": scaled_dot_product_attention,
     "diff": diff,

@@ -259,6 +259,43 @@ def test_sums_over_repeated_indices(function, empty):
     check_against_torch(model, SUMS_OVER_INDICES[function], values, ["data", "updates"], upstream)
 
 
+# Roots whose gradient torch masks to 0 where the root is 0 (symbolics._root_with_zero_gradient_at_zero): rows that are
+# constant (zero variance, zero norm), tiny (a variance that underflows to 0), huge, infinite, NaN, and a size-1 row.
+ROOT_ROWS = np.array([[2.0, 2.0, 2.0, 2.0], [0.0, -0.0, 0.0, 0.0], [1e-30, -1e-30, 1e-30, 0.0], [1e20, -1e20, 3e19, 0.0],
+                      [1.0, -2.0, 0.5, 3.0], [np.inf, 1.0, 0.0, 2.0], [np.nan, 1.0, 0.0, 2.0], [-1.5, 0.0, 0.0, 0.0]],
+                     np.float32)  # fmt: skip
+_FINITE_ROWS = [0, 1, 4, 7]  # constant, zero, ordinary, one non-zero: a p-norm's float32 rounding at 1e-30 and 1e20 is its own
+ROOTS = {  # name: (function, rows, float32 spacings allowed, absolute floor)
+    "std": (lambda x: x.std(-1), ROOT_ROWS, ULPS, FLOOR),
+    "std unbiased=False keepdim": (lambda x: x.std(-1, unbiased=False, keepdim=True), ROOT_ROWS, ULPS, FLOOR),
+    "std of one element": (lambda x: x[:, :1].std(-1, correction=0), ROOT_ROWS, ULPS, FLOOR),
+    # torch's var gradient at a row holding inf is -inf (x - mean times 2 / (n - 1)), here NaN: that row left out
+    "var": (lambda x: x.var(-1), ROOT_ROWS[[0, 1, 2, 3, 4, 6, 7]], ULPS, FLOOR),
+    # torch's std_mean takes its mean by Welford's updates: NaN for a row holding inf (torch.mean: inf); that row left out
+    "std_mean": (lambda x: torch.stack(torch.std_mean(x, -1)), ROOT_ROWS[[0, 1, 2, 3, 4, 6, 7]], ULPS, FLOOR),
+    "var_mean": (lambda x: torch.stack(torch.var_mean(x, -1)), ROOT_ROWS[[0, 1, 2, 3, 4, 6, 7]], ULPS, FLOOR),
+    "vector_norm ord=3": (lambda x: torch.linalg.vector_norm(x, 3, dim=-1), ROOT_ROWS[_FINITE_ROWS + [5, 6]], ULPS, FLOOR),
+    "norm p=1.5 keepdim": (lambda x: x.norm(1.5, dim=-1, keepdim=True), ROOT_ROWS[_FINITE_ROWS + [5, 6]], ULPS, FLOOR),
+    # x / |x|_3: its gradient cancels terms of like size, float32 noise of ~1e-7 on both sides
+    "normalize p=3": (lambda x: F.normalize(x, p=3.0, dim=-1), ROOT_ROWS[_FINITE_ROWS], 64, 1e-6),
+    "cdist p=1": (lambda x: torch.cdist(x[:4], x[4:], p=1.0), ROOT_ROWS, ULPS, FLOOR),
+    "cdist p=2": (lambda x: torch.cdist(x[:4], x[4:]), ROOT_ROWS[[0, 1, 0, 4, 0, 4, 7, 1]], 64, FLOOR),
+    "cdist p=2 product form": (lambda x: torch.cdist(x[:4], x[4:], compute_mode="use_mm_for_euclid_dist"),
+                               ROOT_ROWS[[0, 1, 0, 4, 0, 4, 7, 1]], 64, 1e-6),
+    "cdist p=3": (lambda x: torch.cdist(x[:4], x[4:], p=3.0), ROOT_ROWS[[0, 1, 0, 4, 0, 4, 7, 1]], 64, 1e-6),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("function", ROOTS)
+def test_roots_with_torchs_zero_gradient_at_zero(function):
+    """Where torch's std, norm and cdist are 0 (a padding row, a point's distance to itself) their gradient is 0; the
+    exporter's Sqrt or Pow gave inf there, and NaN times the 0 before it."""
+    reference, x, ulps, floor = ROOTS[function]
+    upstream = upstream_like(reference(torch.tensor(x)).shape)
+    model = exported_model(reference, {"x": x}, upstream, ["x"])
+    check_against_torch(model, reference, {"x": x}, ["x"], upstream, ulps, floor)
+
+
 EINSUM = {
     "bi,ij->bj": [(3, 4), (4, 2)],
     "bij,bjk->bik": [(2, 1, 3), (2, 3, 2)],

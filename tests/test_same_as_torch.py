@@ -1361,3 +1361,104 @@ def test_repeat_interleave_over_a_negative_dim_leaves_other_ops_dims_as_written(
     batches = [(torch.randn(2, length, 8, generator=generator), torch.randn(2, length, 3, generator=generator)) for length in (5, 7, 5)]
     torch.manual_seed(0)
     run_parity(InterleavedRotaryAttention(), batches, optim.SGDConfig(lr=0.1), sgd, loss_fn=F.mse_loss)
+
+
+# ------------------------------------------------------------------ torch's symbolics that computed other values
+class AnnotatedLayerNorm(nn.Module):
+    """The Annotated Transformer's LayerNorm, ``(x - mean) / (std + eps)``, over rows that padding makes all zero."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.gain, self.out = nn.Linear(4, 6), nn.Parameter(torch.ones(6)), nn.Linear(6, 3)
+
+    def forward(self, x, keep):
+        hidden = self.embed(x) * keep
+        mean, std = hidden.mean(-1, keepdim=True), hidden.std(-1, keepdim=True)
+        return self.out(self.gain * (hidden - mean) / (std + 1e-6) + torch.linalg.vector_norm(hidden, 3, -1, keepdim=True))
+
+
+class OffsetBuckets(nn.Module):
+    """Buckets of signed offsets by floor division (relative positions), negative only in later batches."""
+
+    def __init__(self):
+        super().__init__()
+        self.buckets, self.fc = nn.Embedding(8, 4), nn.Linear(4, 3)
+
+    def forward(self, x, offsets):
+        return self.fc(x + self.buckets(offsets // 2 + 4) * (offsets // 3).unsqueeze(-1))
+
+
+class ScoresIntoScratch(nn.Module):
+    """Attention scores by ``torch.baddbmm(scratch, q, k^T, beta=0)``, as older attention code wrote them: torch ignores
+    the scratch tensor (here the batch's, with NaN in later batches)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qk, self.out = nn.Linear(4, 8), nn.Linear(2, 3)
+
+    def forward(self, x, scratch):
+        q, k = self.qk(x).chunk(2, dim=-1)
+        return self.out(torch.baddbmm(scratch, q, k.transpose(1, 2), beta=0.0, alpha=0.5).softmax(-1))
+
+
+class NearestCentres(nn.Module):
+    """Distances of embeddings to learned centres and to each other (a metric-learning loss's), by torch.cdist."""
+
+    def __init__(self, compute_mode):
+        super().__init__()
+        self.embed, self.centres, self.compute_mode = nn.Linear(4, 3), nn.Parameter(torch.randn(3, 3)), compute_mode
+
+    def forward(self, x, _):
+        embedded = self.embed(x)
+        to_centres = torch.cdist(embedded, self.centres, compute_mode=self.compute_mode)
+        within = torch.cdist(embedded, embedded, p=1.0) + torch.cdist(embedded, embedded, compute_mode=self.compute_mode)
+        return -to_centres + within[:, :3]
+
+
+def _later_batches(make_second, count=3):
+    generator = torch.Generator().manual_seed(0)
+    return [(torch.randn(5, 4, generator=generator), make_second(step), torch.randn(5, 3, generator=generator))
+            for step in range(count)]  # fmt: skip
+
+
+def _zero_rows_later(step):
+    return torch.ones(5, 1) if step == 0 else torch.tensor([[1.0], [0.0], [1.0], [0.0], [1.0]])
+
+
+def _negative_offsets_later(step):
+    return torch.tensor([0, 1, 2, 3, 4]) if step == 0 else torch.tensor([-1, -4, 3, -7, 0])
+
+
+def _nan_scratch_later(step):
+    scratch = torch.zeros(5, 2, 2)
+    scratch[1, 0, 1] = float("nan") if step else 0.0
+    return scratch
+
+
+@pytest.mark.parametrize("make, make_second", [
+    (AnnotatedLayerNorm, _zero_rows_later),
+    (OffsetBuckets, _negative_offsets_later),
+    (lambda: NearestCentres("use_mm_for_euclid_dist"), lambda step: torch.zeros(5)),
+    (lambda: NearestCentres("donot_use_mm_for_euclid_dist"), lambda step: torch.zeros(5)),
+], ids=["std-and-norm-of-zero-rows", "floor-division-of-negatives", "cdist-product-form", "cdist-differences"])  # fmt: skip
+def test_symbolics_that_computed_other_values_train_like_torch(make, make_second):
+    """Each passed the first-step check on a first batch without the case, then trained other than torch: the std and
+    the 3-norm of a zero row had NaN gradients (torch's are 0), floor division truncated negatives towards 0 (torch's
+    symbolic, "deprecated behavior"), cdist summed signed differences for p=1 and gave NaN gradients at distance 0."""
+    torch.manual_seed(0)
+    run_parity(make(), _later_batches(make_second), optim.SGDConfig(lr=0.1), sgd, loss_fn=F.mse_loss)
+
+
+def test_baddbmm_with_beta_zero_ignores_its_input_like_torch():
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(5, 2, 4, generator=generator), _nan_scratch_later(step), torch.randn(5, 2, 3, generator=generator))
+               for step in range(3)]  # fmt: skip
+    torch.manual_seed(0)
+    run_parity(ScoresIntoScratch(), batches, optim.SGDConfig(lr=0.1), sgd, loss_fn=F.mse_loss)
+
+
+def test_cdist_whose_form_depends_on_a_changing_row_count_is_refused_naming_the_fix():
+    trainer = ORTTrainer(NearestCentres("use_mm_for_euclid_dist_if_necessary"), None, optim.SGDConfig(lr=0.1), loss_fn=F.mse_loss, options=cpu_options())
+    with pytest.raises(ExportError, match=r"cdist in module 'model' over a number of rows that changes with the batch.*"
+                                          r"pass compute_mode='use_mm_for_euclid_dist' or 'donot_use_mm_for_euclid_dist'"):
+        trainer.train_step(*_later_batches(lambda step: torch.zeros(5))[0])
