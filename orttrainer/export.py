@@ -403,7 +403,8 @@ _FROM_RANDOM = ("a Python value (an `if`, int(), float(), .item()) computed from
                 "draw with tensor ops (torch.where on the draw), or turn the random skip off (transformers: "
                 "config.layerdrop, encoder_layerdrop, decoder_layerdrop = 0.0)")  # fmt: skip
 _CONSTANT_TENSOR = r"torch\.tensor results are registered as constants"
-_FROZEN_VALUE = rf"Converting a tensor to a Python (integer|float|number|index|boolean)|Iterating over a tensor|{_CONSTANT_TENSOR}"
+_FROZEN_VALUE = (rf"Converting a tensor to a (Python (integer|float|number|index|boolean)|NumPy array)|Iterating over a tensor|"
+                 rf"{_CONSTANT_TENSOR}")  # fmt: skip
 
 
 def _only_complains(statements) -> bool:
@@ -475,7 +476,7 @@ def _reason_graph_differs(heard: _Heard):
 
 _SHAPE_OPS = ("aten::size", "aten::numel", "aten::dim", "onnx::Shape", "prim::shape")
 _TO_PYTHON = (torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__,
-              torch.Tensor.item, torch.Tensor.tolist)  # fmt: skip
+              torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__)  # fmt: skip
 
 
 # Traced ops that draw random numbers: a Python value computed from one (LayerDrop's ``torch.rand([]) < p``) is a
