@@ -756,6 +756,11 @@ def _known_fix(model, message: str) -> str:
         return (". transformers' mixture-of-experts layers count each expert's tokens with torch.histc in their default "
                 "experts implementation, which does not export: call model.set_experts_implementation('batched_mm') "
                 "before creating the trainer (the same experts, computed for every token and weighted by the routing)")
+    if "vector::_M_range_check" in message and any(isinstance(layer, torch.nn.RNNBase) for layer in model.modules()):
+        return (". torch's exporter fails this way on nn.utils.rnn.pack_padded_sequence (a PackedSequence given to an "
+                "LSTM, GRU or RNN): give the layer the padded batch instead and read each sequence's output at its last "
+                "real step (states[torch.arange(batch), lengths - 1], the same values for a one-directional layer over "
+                "right-padded sequences), or train this model with torch")
     return ""
 
 

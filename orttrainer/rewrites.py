@@ -708,6 +708,12 @@ def _resize_scales(build, dims):
     return [1.0 if size is None or dim is None else float(size) / dim for size, dim in zip(sizes, dims)], False
 
 
+def _resized_length(length: int, scale: float, from_scales: bool) -> int:
+    """An axis's output length: ONNX's floor(length * scale) for a Resize given scales (5 by 1.5 is 7, as torch's
+    interpolate gives: rounding gave 8 taps for 7 outputs), the size itself for one given sizes."""
+    return int(np.floor(np.float32(length) * np.float32(scale))) if from_scales else int(round(length * scale))
+
+
 def nearest_upsample(build):
     """Resize by whole-number factors in nearest mode as Reshape + Expand + Reshape."""
     x = build.node.input[0]
@@ -801,9 +807,10 @@ def interpolating_resize(build):
     if scales[:2] != [1.0, 1.0]:
         raise RewriteError(f"Resize node '{build.node.name}': scales {scales} resize the batch or channel axis")
     resized = x
-    axes = [axis for axis in range(rank - 1, 1, -1) if round(dims[axis - 2] * scales[axis]) != dims[axis - 2]]
+    sizes = {axis: _resized_length(dims[axis - 2], scales[axis], from_scales) for axis in range(2, rank)}
+    axes = [axis for axis in range(rank - 1, 1, -1) if sizes[axis] != dims[axis - 2]]
     for axis in axes:
-        length, size = dims[axis - 2], int(round(dims[axis - 2] * scales[axis]))
+        length, size = dims[axis - 2], sizes[axis]
         source = _source_coordinates(transform, length, size, scales[axis], from_scales, cubic=mode == "cubic")
         taps = _INTERPOLATIONS[mode](source, length, build.attribute("cubic_coeff_a", -0.75))
         along = [size] + [1] * (rank - 1 - axis)

@@ -14,7 +14,7 @@ import torch
 from torch.onnx import symbolic_helper
 from torch.onnx._internal.torchscript_exporter import (_type_utils, registration, symbolic_opset9, symbolic_opset10,
                                                         symbolic_opset11, symbolic_opset13, symbolic_opset14,
-                                                        symbolic_opset16)
+                                                        symbolic_opset16, symbolic_opset17)
 from torch.onnx._internal.torchscript_exporter import utils as exporter_utils
 
 from . import rewrites
@@ -1109,6 +1109,19 @@ def repeat_interleave(g, self, repeats, dim=None, output_size=None):
     return torch_symbolic(g, self, repeats, dim, output_size)
 
 
+def layer_norm(g, x, normalized_shape, weight, bias, eps, cudnn_enable):
+    """torch's symbolic, also for a normalized_shape the trace computed from x's sizes (``F.layer_norm(h,
+    (h.shape[-1],))``), which torch's requires as constants: torch itself requires it to equal x's last sizes, so
+    those are taken when the export knows them."""
+    torch_symbolic = symbolic_opset17.layer_norm if g.opset >= 17 else symbolic_opset9.layer_norm
+    if not symbolic_helper._is_constant(normalized_shape) and symbolic_helper._is_packed_list(normalized_shape):
+        count = len(symbolic_helper._unpack_list(normalized_shape))
+        sizes = (symbolic_helper._get_tensor_sizes(x) or [None])[-count:]
+        if count and None not in sizes:
+            normalized_shape = g.op("Constant", value_t=torch.tensor(sizes, dtype=torch.int64))
+    return torch_symbolic(g, x, normalized_shape, weight, bias, eps, cudnn_enable)
+
+
 # ScatterElements and ScatterND add the values sent to one place (reduction='add') from this opset on; before
 # it a scatter keeps one of them, where torch adds them all.
 _ADDING_SCATTER_OPSET = 16
@@ -1208,6 +1221,7 @@ _SYMBOLICS = {
     "floor_divide": floor_divide,
     "floordiv": floor_divide,
     "baddbmm": baddbmm,
+    "layer_norm": layer_norm,
     "batch_norm": batch_norm,
     "scaled_dot_product_attention": scaled_dot_product_attention,
     "diff": diff,

@@ -1462,3 +1462,42 @@ def test_cdist_whose_form_depends_on_a_changing_row_count_is_refused_naming_the_
     with pytest.raises(ExportError, match=r"cdist in module 'model' over a number of rows that changes with the batch.*"
                                           r"pass compute_mode='use_mm_for_euclid_dist' or 'donot_use_mm_for_euclid_dist'"):
         trainer.train_step(*_later_batches(lambda step: torch.zeros(5))[0])
+
+
+class LayerNormOverItsOwnWidth(nn.Module):
+    """``F.layer_norm(h, (h.shape[-1],))``: the normalized shape read from the tensor, a traced size."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.out = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        hidden = self.embed(x)
+        return self.out(F.layer_norm(hidden, (hidden.shape[-1],)))
+
+
+def test_layer_norm_over_a_shape_read_from_its_input_trains_like_torch():
+    """torch's symbolic needs the normalized shape as constants and failed the export ("Failed to export a node")."""
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(rows, 4, generator=generator), torch.randn(rows, 3, generator=generator)) for rows in (3, 5, 3)]
+    torch.manual_seed(0)
+    run_parity(LayerNormOverItsOwnWidth(), batches, optim.SGDConfig(lr=0.1), sgd, loss_fn=F.mse_loss)
+
+
+class PackedLSTM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm, self.out = nn.LSTM(4, 6, batch_first=True), nn.Linear(6, 3)
+
+    def forward(self, x, lengths):
+        _, (state, _) = self.lstm(nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False))
+        return self.out(state[-1])
+
+
+def test_packed_sequences_are_refused_naming_the_padded_form():
+    """torch's exporter fails inside its peephole pass ("vector::_M_range_check") on a PackedSequence; the error says
+    what it is and what trains instead (tests/zoo.py's LSTM over padded batches)."""
+    trainer = ORTTrainer(PackedLSTM(), None, optim.SGDConfig(lr=0.1), loss_fn=F.mse_loss, options=cpu_options())
+    with pytest.raises(ExportError, match=r"pack_padded_sequence .* give the layer the padded batch instead and read each "
+                                          r"sequence's output at its last real step"):  # fmt: skip
+        trainer.train_step(torch.randn(3, 5, 4), torch.tensor([5, 3, 2]), torch.randn(3, 3))
