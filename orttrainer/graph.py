@@ -530,7 +530,8 @@ def make_differentiable(model: onnx.ModelProto, weight_names, loss_name: str, fa
     _read_weights_once_per_node(model, weight_names)
     missing = [description for name, description in without_gradient if name not in rewritten] + untrainable_inputs
     missing += [f"{describe_node(node)}: control flow, which the exporter writes e.g. for squeeze() of a dimension it "
-                "cannot size (squeeze a known dimension, or index it with [:, 0])"
+                "cannot size (squeeze a known dimension, or index it with [:, 0]) and for repeat_interleave by repeats "
+                "held in a tensor (repeat by a Python number, or gather by indices)"
                 for node in _control_flow_before(model, loss_name)]  # fmt: skip
     if missing:
         listed = "; ".join(missing)

@@ -846,9 +846,29 @@ def reversing_slice(build):
     sliced = build.node.input[0]
     for position, (axis, start, end, step) in enumerate(zip(axes, starts, ends, steps)):
         axis = int(axis) % rank
-        (length,) = build.static_dims(build.node.input[0], [axis])
-        last = position == len(axes) - 1
-        sliced = _gathered(build, sliced, axis, _slice_indices(length, start, end, int(step)), _output(build) if last else None)
+        output = _output(build) if position == len(axes) - 1 else None
+        length = build.shape(build.node.input[0])[axis]
+        if length is None and (start, step) == (-1, -1) and end <= -_FLIPPED_TO:
+            sliced = _reversed_at_run(build, sliced, axis, output)
+            continue
+        if length is None:
+            raise RewriteError(f"Slice node '{build.node.name}' with step {step} (torch.flip, x[::-k]) along an axis whose "
+                               "size changes with the batch: only a whole reversal (torch.flip) is taken there")  # fmt: skip
+        sliced = _gathered(build, sliced, axis, _slice_indices(length, start, end, int(step)), output)
+
+
+# torch.flip's Slice ends at -2^63 + 1 or lower: before the first element of any axis
+_FLIPPED_TO = 2**62
+
+
+def _reversed_at_run(build, x, axis, output=None):
+    """``x`` reversed along an ``axis`` whose size the graph does not fix: a Gather of size - 1 down to 0. The
+    indices are size - 1 minus 0, 1, ...: ONNX Runtime's optimizer turns a Gather of Range(size - 1, -1, -1) into a
+    Slice ending at -1, which reads as the last index, and the result came out empty (docs/stack_facts.md)."""
+    size = build.op("Gather", [build.op("Shape", [x]), build.const(axis, np.int64)])
+    counted = build.op("Range", [build.const(0, np.int64), size, build.const(1, np.int64)])
+    indices = build.op("Sub", [build.op("Sub", [size, build.const(1, np.int64)]), counted])
+    return build.op("Gather", [x, indices], output, axis=axis)
 
 
 def _padding_indices(mode: str, length: int, before: int, after: int) -> np.ndarray:
@@ -943,7 +963,11 @@ def cumsum(build):
     x = build.node.input[0]
     rank = len(build.shape(x))
     axis = int(build.constant_input(1).reshape(-1)[0]) % rank
-    (length,) = build.static_dims(x, [axis])
+    length = build.shape(x)[axis]
+    if length is None:
+        raise RewriteError(f"CumSum node '{build.node.name}' (torch.cumsum) along axis {axis}, whose size changes with the "
+                           "batch: its exact form is written for a fixed length; cumulate along a fixed axis, or pad "
+                           "that axis to a fixed length")  # fmt: skip
     reverse = build.attribute("reverse", 0)
     total = build.op("Cast", [x], to=onnx.TensorProto.DOUBLE)
     if build.attribute("exclusive", 0):

@@ -1122,6 +1122,51 @@ def layer_norm(g, x, normalized_shape, weight, bias, eps, cudnn_enable):
     return torch_symbolic(g, x, normalized_shape, weight, bias, eps, cudnn_enable)
 
 
+def one_hot(g, x, num_classes):
+    """torch's symbolic, refused for num_classes=-1: torch then takes the number of classes from the batch's largest
+    value, which the graph would keep from the first batch (ONNX Runtime failed on a depth of -1)."""
+    if symbolic_helper._maybe_get_const(num_classes, "i") == -1:
+        raise ValueError(f"F.one_hot in module '{_module_scope(g)}' without num_classes takes the number of classes from "
+                         "the batch's largest value; pass num_classes")  # fmt: skip
+    return symbolic_opset9.one_hot(g, x, num_classes)
+
+
+def split(g, x, split_size_or_sizes, dim, _outputs=None):
+    """torch's symbolic, except ``x.split(k, dim)`` along a dimension whose size changes with the batch: torch's took
+    the size to be k times the number of parts, so a last part shorter than k failed in ONNX Runtime ("Sum of sizes in
+    'split'"). Here the parts are Slices, the last one to the end."""
+    torch_symbolic = symbolic_opset13.split if g.opset >= 13 else symbolic_opset11.split
+    axis = symbolic_helper._maybe_get_const(dim, "i")
+    dynamic = isinstance(axis, int) and symbolic_helper._get_tensor_dim_size(x, axis) is None
+    if not (dynamic and _outputs and symbolic_helper._is_constant(split_size_or_sizes)):
+        return torch_symbolic(g, x, split_size_or_sizes, dim, _outputs)
+    if symbolic_helper._node_get(split_size_or_sizes.node(), "value").dim() > 0:  # sizes given: torch's is right
+        return torch_symbolic(g, x, split_size_or_sizes, dim, _outputs)
+    size, build = symbolic_helper._get_const(split_size_or_sizes, "i", "split_size"), _ExportGraph(g)
+    bounds = [part * size for part in range(_outputs)] + [2**63 - 1]
+    return [build.op("Slice", [x, build.const([start], np.int64), build.const([end], np.int64), build.const([axis], np.int64)])
+            for start, end in zip(bounds, bounds[1:])]  # fmt: skip
+
+
+def _sort_arguments(args):
+    """(dim, descending) of aten::sort / argsort, whose ``stable`` overload takes (stable, dim, descending): torch's
+    symbolic read those as (dim, descending, out) and refused an "Out parameter"."""
+    if len(args) == 3:  # stable: ONNX Runtime's TopK keeps tied values in their order, as torch's stable sort does
+        args = args[1:]
+    dim, descending = (symbolic_helper._get_const(value, "i", name) for value, name in zip(args, ("dim", "descending")))
+    return dim, descending
+
+
+def sort(g, x, *args):
+    dim, descending = _sort_arguments(args)
+    return symbolic_helper._sort_helper(g, x, dim, descending=descending)
+
+
+def argsort(g, x, *args):
+    dim, descending = _sort_arguments(args)
+    return symbolic_helper._sort_helper(g, x, dim, descending=descending)[1]
+
+
 # ScatterElements and ScatterND add the values sent to one place (reduction='add') from this opset on; before
 # it a scatter keeps one of them, where torch adds them all.
 _ADDING_SCATTER_OPSET = 16
@@ -1222,6 +1267,10 @@ _SYMBOLICS = {
     "floordiv": floor_divide,
     "baddbmm": baddbmm,
     "layer_norm": layer_norm,
+    "one_hot": one_hot,
+    "split": split,
+    "sort": sort,
+    "argsort": argsort,
     "batch_norm": batch_norm,
     "scaled_dot_product_attention": scaled_dot_product_attention,
     "diff": diff,

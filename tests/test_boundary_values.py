@@ -12,8 +12,6 @@ at inputs that are NaN themselves are not compared (boundary.check_against_torch
 Known, documented differences from torch are left out of the inputs and named where they apply.
 """
 
-import inspect
-
 import numpy as np
 import pytest
 import torch
@@ -1278,10 +1276,11 @@ def _split_and_squeeze(parts):
 _SEQUENCES = [(1, 1), (3, 5), (1, 5), (3, 1), (2, 1), (1, 1)]  # (batch, length): one trainer takes them in turn
 
 
-@pytest.mark.parametrize("outputs, parts", [(2, 1), (4, 2)], ids=["squeezed", "kept"])
+@pytest.mark.parametrize("outputs, parts", [(2, 1), (4, 2), (3, 2)], ids=["squeezed", "kept", "uneven split"])
 def test_ifs_decided_by_shape_inference_at_every_batch_shape(outputs, parts, monkeypatch):
     """rewrites.fold_static_sizes: Hugging Face's question-answering split(1, -1) and squeeze(-1) (the If takes its
-    squeeze), and pieces of 2 (the If keeps them). One trainer takes batches of size 1 and 3 and lengths 1 and 5 in
+    squeeze), pieces of 2 (the If keeps them), and an uneven split, 3 into 2 and 1 (refused before: torch's symbolic
+    wrote a Split whose pieces' sizes shape inference did not follow; symbolics.split writes Slices). One trainer takes batches of size 1 and 3 and lengths 1 and 5 in
     turn: each value and gradient is torch's (the inlined branch is the one every batch takes: a piece's size is the
     split's, whatever the batch's). Values are multiples of 1/8, a row of zeros among them; the gate is 1 within an
     ulp, so the weight's gradient, a sum of terms up to ~2 that cancel, carries ~1e-7 of them (torch's float32 too:
@@ -1299,15 +1298,10 @@ def test_ifs_decided_by_shape_inference_at_every_batch_shape(outputs, parts, mon
     assert {name for name in replaced if "If" in name} == {"/model/If", "/model/If_1"}, replaced  # in every export
 
 
-@pytest.mark.parametrize("function", [lambda x, weight: F.linear(x, weight).squeeze(0), _split_and_squeeze(2)],
-                         ids=["squeeze(0) of the batch", "uneven split"])  # fmt: skip
-def test_ifs_that_shape_inference_cannot_decide_are_refused_at_every_batch_shape(function):
+def test_ifs_that_shape_inference_cannot_decide_are_refused_at_every_batch_shape():
     """squeeze(0) of the batch dimension: its If, which a batch of 1 takes one way and others the other, stays and is
-    refused by name, whichever batch size comes first. So are those after an uneven split (3 into 2 and 1), whose
-    pieces' sizes ONNX's shape inference does not follow."""
-    weights = {"weight": np.ones((3, 4), np.float32)}
-    if "bias" in inspect.signature(function).parameters:
-        weights["bias"] = np.zeros(3, np.float32)
+    refused by name, whichever batch size comes first."""
+    function, weights = (lambda x, weight: F.linear(x, weight).squeeze(0)), {"weight": np.ones((3, 4), np.float32)}
     for first in (1, 3):
         with pytest.raises(graph.GradientBuildError, match=r"If \(node '/model/If'\): control flow"):
             check_trainer_against_torch(function, [{"x": np.ones((first, 5, 4), np.float32)}], weights)

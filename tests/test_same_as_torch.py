@@ -1501,3 +1501,61 @@ def test_packed_sequences_are_refused_naming_the_padded_form():
     with pytest.raises(ExportError, match=r"pack_padded_sequence .* give the layer the padded batch instead and read each "
                                           r"sequence's output at its last real step"):  # fmt: skip
         trainer.train_step(torch.randn(3, 5, 4), torch.tensor([5, 3, 2]), torch.randn(3, 3))
+
+
+class BatchAxisOps(nn.Module):
+    """Ops along the batch axis, whose size changes from batch to batch: a flip, a split whose last part is shorter,
+    and a stable sort that keeps tied values in their order."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.embed, self.out, self.op = nn.Linear(4, 6), nn.Linear(6, 3), op
+
+    def forward(self, x):
+        hidden = self.embed(x)
+        if self.op == "flip":
+            hidden = hidden.flip(0) * torch.arange(1.0, hidden.shape[0] + 1)[:, None]
+        elif self.op == "split":
+            hidden = torch.cat([part * (index + 1) for index, part in enumerate(hidden.split(2, dim=0))])
+        else:  # ties: keys rounded to whole numbers (the value's gradient passing straight through the rounding)
+            keys = hidden.detach().round() + (hidden - hidden.detach())
+            order = keys.argsort(dim=0, stable=True, descending=True)
+            hidden = hidden.gather(0, order) + keys.sort(dim=1, stable=True).values
+        return self.out(hidden)
+
+
+@pytest.mark.parametrize("op", ["flip", "split", "stable-sort"])
+def test_ops_along_an_axis_whose_size_changes_train_like_torch(op):
+    """torch.flip along it was refused (a Gather of constant indices needs the size); torch's split symbolic took the
+    axis to hold a whole number of parts, and ONNX Runtime failed on a shorter last part; the exporter refused
+    sort(stable=True) with "Out parameter is not supported" (ONNX Runtime's TopK keeps ties in order, as torch)."""
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(rows, 4, generator=generator) * 2, torch.randn(rows, 3, generator=generator)) for rows in (5, 5, 7, 64)]
+    torch.manual_seed(0)
+    run_parity(BatchAxisOps(op), batches, optim.SGDConfig(lr=0.1), sgd, loss_fn=F.mse_loss)
+
+
+class CountedClasses(nn.Module):
+    def __init__(self, cumulate=False):
+        super().__init__()
+        self.fc, self.cumulate = nn.Linear(4, 3), cumulate
+
+    def forward(self, x):
+        scores = self.fc(x)
+        if self.cumulate:
+            return scores.cumsum(0)
+        return scores + F.one_hot(scores.argmax(-1)).float().sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("cumulate, error, message", [
+    (False, ExportError, r"F.one_hot in module 'model' without num_classes takes the number of classes from the batch's "
+                         r"largest value; pass num_classes"),
+    (True, GradientBuildError, r"CumSum node '/model/CumSum' \(torch.cumsum\) along axis 0, whose size changes with the "
+                               r"batch"),
+], ids=["one_hot-without-num_classes", "cumsum-along-the-batch"])  # fmt: skip
+def test_ops_the_graph_cannot_hold_for_every_batch_are_refused_by_name(cumulate, error, message):
+    """F.one_hot() failed inside ONNX Runtime ("Depth is negative"); cumsum along the batch axis said only that a
+    CumSum needs static dimensions."""
+    trainer = ORTTrainer(CountedClasses(cumulate), None, optim.SGDConfig(lr=0.1), loss_fn=F.mse_loss, options=cpu_options())
+    with pytest.raises(error, match=message):
+        trainer.train_step(torch.randn(5, 4), torch.randn(5, 3))
