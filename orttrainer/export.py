@@ -236,7 +236,7 @@ def _unreachable_backward(_):
     raise RuntimeError("this forward ran only to be traced or inspected; orttrainer kept none of its activations")
 
 
-def _keeping_no_activations():
+def keeping_no_activations():
     """Autograd keeps none of the activations of a forward run only to be traced or inspected (it is never
     differentiated): GPT-2 of the benchmarks exports with 300 MB less. Grad mode, and every branch that
     reads it, stays as in training."""
@@ -309,7 +309,7 @@ def refuse_custom_backward(module, loss_fn, forward_names, inputs, loss_index: i
     state = {name: tensor.clone() for name, tensor in module.state_dict().items()}
     wrapper = with_loss(module, loss_fn, forward_names, constants)
     try:
-        with torch.enable_grad(), _keeping_no_activations(), _HookAndFunctionSpy() as spy:
+        with torch.enable_grad(), keeping_no_activations(), _HookAndFunctionSpy() as spy:
             outputs = wrapper(*inputs)
         loss = (list(outputs) if isinstance(outputs, (tuple, list)) else [outputs])[loss_index]
         functions = _custom_functions(loss) if isinstance(loss, torch.Tensor) else []
@@ -714,7 +714,7 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
         state = {_WRAPPED + name: tensor for name, tensor in model.state_dict().items()}
         # autograd on whatever the caller's mode (an eval_step under torch.no_grad() builds a graph that trains)
         with torch.random.fork_rng(devices=devices), symbolics.exporting(), torch.enable_grad(), \
-                _keeping_no_activations(), _ExporterWarnings(values, inputs_by_name, state) as heard, \
+                keeping_no_activations(), _ExporterWarnings(values, inputs_by_name, state) as heard, \
                 _functions_as_their_forward(), _NoGradResultsDetached(), values:
             torch.onnx.export(
                 wrapper,

@@ -127,10 +127,10 @@ def torch_eval(module, loss_fn, forward_names, inputs, weights: dict, output_nam
     """Forward + loss of a copy of ``module`` holding ``weights``, in eval mode: what eval_step must give.
 
     Grad mode stays on, as in the trace: without it ``nn.MultiheadAttention`` and the transformer layers take a
-    fast path in eval mode, which gives the padded positions other values."""
+    fast path in eval mode, which gives the padded positions other values. Autograd keeps no activations."""
     module = _copy_holding(module, weights).eval()
     wrapper = export.with_loss(module, loss_fn, forward_names, constants)
-    with torch.enable_grad():
+    with torch.enable_grad(), export.keeping_no_activations():
         outputs = wrapper(*[tensor.cpu() for tensor in inputs])
     outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
     return StepResult(dict(zip(output_names, (out.detach() for out in outputs))), {})
