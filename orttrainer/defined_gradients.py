@@ -27,7 +27,7 @@ import onnx
 from onnxruntime.capi import _pybind_state as _ort
 
 from . import torch_recurrent
-from .rewrites import NodeBuilder, is_torch_hard_sigmoid, replace_nodes
+from .rewrites import ZERO_GRADIENT_AT_BOUNDS, NodeBuilder, is_torch_hard_sigmoid, replace_nodes
 
 
 def _constant(name: str, value: float):
@@ -173,7 +173,6 @@ def gradient_nodes(nodes, forward: onnx.NodeProto) -> list:
     return found if sorted(node.op_type for node in found if node.op_type != "Constant") == expected else []
 
 
-ZERO_GRADIENT_AT_BOUNDS = "orttrainer: hardtanh, gradient 0 at the bounds"  # the doc_string of such a Clip
 _STRICT_COMPARISONS = {"GreaterOrEqual": ("Greater", 1), "LessOrEqual": ("Less", 2)}  # and the Clip input compared with
 
 

@@ -31,7 +31,7 @@ from torch.onnx import TrainingMode
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from . import defined_gradients, model_outputs, rewrites, symbolics
+from . import model_outputs, rewrites, symbolics
 
 _WRAPPED = "model."  # prefix the wrapper adds to every weight name
 _TORCH_DIRECTORY = os.path.dirname(torch.__file__) + os.sep
@@ -668,7 +668,7 @@ def resolve_markers(model: onnx.ModelProto) -> dict:
     """Resolve the marker nodes ``symbolics`` wrote; return {Gather node name: EmbeddingLookup}.
 
     An embedding's marker on the gather indices is removed, its rules returned. A hardtanh marker
-    becomes the Clip it stands for, marked ``defined_gradients.ZERO_GRADIENT_AT_BOUNDS``; a detach
+    becomes the Clip it stands for, marked ``rewrites.ZERO_GRADIENT_AT_BOUNDS``; a detach
     marker an Identity marked ``rewrites.STOP_GRADIENT``.
     """
     markers = {node.output[0]: node for node in model.graph.node if node.domain == symbolics.DOMAIN}
@@ -681,7 +681,7 @@ def resolve_markers(model: onnx.ModelProto) -> dict:
             node.input[1] = marker.input[0]
     for marker in markers.values():
         if marker.op_type == "HardTanh":
-            marker.op_type, marker.domain, marker.doc_string = "Clip", "", defined_gradients.ZERO_GRADIENT_AT_BOUNDS
+            marker.op_type, marker.domain, marker.doc_string = "Clip", "", rewrites.ZERO_GRADIENT_AT_BOUNDS
         elif marker.op_type == "Detach":
             marker.op_type, marker.domain, marker.doc_string = "Identity", "", rewrites.STOP_GRADIENT
     kept = [node for node in model.graph.node if node.domain != symbolics.DOMAIN]

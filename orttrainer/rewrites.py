@@ -1431,6 +1431,72 @@ def _convolutions_rewritten(model: onnx.ModelProto, function, wanted) -> list:
     return replace_nodes(model, {"Conv": function}, targets, static_shapes(model, symbolic_shapes(model)))
 
 
+ZERO_GRADIENT_AT_BOUNDS = "orttrainer: hardtanh, gradient 0 at the bounds"  # the doc_string of such a Clip
+
+
+def _singular_at_zero(consumer: onnx.NodeProto, name: str, constants: dict) -> bool:
+    """Whether ``consumer``'s gradient with respect to its input ``name`` can be infinite where that input is 0: a
+    Sqrt, Log or Reciprocal of it, a Pow of it by an exponent below 1 (or one not known), a Div by it."""
+    if consumer.op_type in ("Sqrt", "Log", "Reciprocal"):
+        return True
+    if consumer.op_type == "Pow" and consumer.input[0] == name:
+        exponent = constants.get(consumer.input[1])
+        return exponent is None or float(np.min(exponent)) < 1
+    return consumer.op_type == "Div" and consumer.input[1] == name
+
+
+# Ops that carry a 0 of their input to their output unchanged or scaled: a singular op after them still sees it
+_CARRY_ZEROS = ("Add", "Sub", "Mul", "Neg", "Identity", "Cast", "Reshape", "Squeeze", "Unsqueeze", "Transpose", "Expand",
+                "Slice", "Concat", "Gather")  # fmt: skip
+
+
+def _feeds_singular(build, name: str, depth: int = 4) -> bool:
+    """Whether a singular-at-zero op (``_singular_at_zero``) reads ``name``, directly or through ``_CARRY_ZEROS`` ops."""
+    for consumer in build.facts.consumers[name]:
+        if _singular_at_zero(consumer, name, build.constants):
+            return True
+        if depth and consumer.op_type in _CARRY_ZEROS and _feeds_singular(build, consumer.output[0], depth - 1):
+            return True
+    return False
+
+
+def select_before_singular(build):
+    """A Relu or a Clip of constant bounds whose output a square root (a Pow below 1, a Log, a division) reads, as a
+    Where between x and constants: its gradient then selects dy where x passes, where the mask multiplication of
+    ReluGrad's and Clip's gradients gave inf * 0 = NaN at the masked elements (sqrt's gradient is infinite at the
+    0 they put out), and torch's select gives 0 (``sqrt(relu(x))``, ``x.clamp(min=0).sqrt()``). x passes where
+    torch's backward lets dy through: a Relu where not x <= 0 (NaN included); a clamp where lo <= x <= hi, a hardtanh
+    (``ZERO_GRADIENT_AT_BOUNDS``) where lo < x < hi. The others take their values from constants: the bound, NaN, and
+    -0 for a -0 held at a bound of 0, as torch keeps it. Other Relu and Clip nodes are kept: their gradients cost less.
+    Whichever of x and the held values can be -0 is the Where's second branch: ONNX Runtime's Where turns a -0 it
+    takes from its first branch into +0 (``detached``)."""
+    node, x = build.node, build.node.input[0]
+    if not _feeds_singular(build, node.output[0]):
+        return False
+    if node.op_type == "Relu":
+        low, high, strict = 0.0, float("inf"), True
+    else:
+        low, high = [float(build.constant_input(index).reshape(-1)[0]) if len(node.input) > index and node.input[index]
+                     else default for index, default in ((1, float("-inf")), (2, float("inf")))]  # fmt: skip
+        strict = node.doc_string == ZERO_GRADIENT_AT_BOUNDS
+    above, below = ("Greater", "Less") if strict else ("GreaterOrEqual", "LessOrEqual")
+    passes = build.op("And", [_compare(build, above, x, low), _compare(build, below, x, high)])
+    if node.op_type == "Relu":  # NaN passes, as torch's threshold_backward lets it (not x <= 0)
+        passes = build.op("Not", [_compare(build, "LessOrEqual", x, 0.0)])
+    held = where(build, _compare(build, "LessOrEqual" if strict else "Less", x, low), low, high)
+    held = where(build, build.op("Not", [build.op("IsNaN", [x])]), held, float("nan"))
+    if 0.0 in (low, high):
+        held = where(build, build.op("Not", [is_negative_zero(build, x)]), held, -0.0)
+    zero_passes = low < 0.0 < high if strict else low <= 0.0 <= high
+    if zero_passes:  # a -0 of x is put out as it is: x in the second branch (no Not: ONNX Runtime swaps the branches)
+        outside = build.op("Or", [_compare(build, "LessOrEqual" if strict else "Less", x, low),
+                                  _compare(build, "GreaterOrEqual" if strict else "Greater", x, high)])  # fmt: skip
+        where(build, build.op("Or", [outside, build.op("IsNaN", [x])]), held, x, _output(build))
+    else:  # a -0 of x is held: the held values in the second branch
+        where(build, passes, x, held, _output(build))
+    return True
+
+
 def scatter_with_reduction(build):
     """ScatterElements / ScatterND with reduction 'add' (torch's scatter_add, index_add, index_put with
     accumulate=True, scatter_reduce 'sum') in a form whose data gradient is the output's: onnxruntime-training
@@ -1583,6 +1649,8 @@ REWRITES = {
     "Einsum": einsum,
     "ConvTranspose": conv_transpose,
     "ScatterElements": scatter_with_reduction,
+    "Relu": select_before_singular,
+    "Clip": select_before_singular,
     "ScatterND": scatter_with_reduction,
     **dict.fromkeys(("Where", "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min"), broadcast_gradient),
 }

@@ -1157,14 +1157,35 @@ def _sort_arguments(args):
     return dim, descending
 
 
+def _ranked(g, x, dim, rank):
+    """(values, indices) of ``rank(keys)`` (a TopK over ``dim``) where the keys order x as torch's sort and topk do:
+    NaN above +inf above every finite value. ONNX Runtime's TopK kept one of two NaN in a top-k and put NaN first
+    in an ascending one. The keys are float64, NaN as +inf and +inf as 1e300; the values are gathered from x (NaN
+    kept), which gives them GatherElements' gradient."""
+    if not symbolic_helper._is_fp(x):
+        return rank(x)
+    build = _ExportGraph(g)
+    wide = g.op("Cast", x, to_i=onnx.TensorProto.DOUBLE)
+    keys = build.op("Where", [build.op("Equal", [wide, build.const(np.inf, np.float64)]), build.const(1e300, np.float64), wide])
+    keys = build.op("Where", [build.op("IsNaN", [x]), build.const(np.inf, np.float64), keys])
+    _, indices = rank(keys)
+    return build.op("GatherElements", [x, indices], axis=dim), indices
+
+
 def sort(g, x, *args):
     dim, descending = _sort_arguments(args)
-    return symbolic_helper._sort_helper(g, x, dim, descending=descending)
+    return _ranked(g, x, dim, lambda keys: symbolic_helper._sort_helper(g, keys, dim, descending=descending))
 
 
 def argsort(g, x, *args):
-    dim, descending = _sort_arguments(args)
-    return symbolic_helper._sort_helper(g, x, dim, descending=descending)[1]
+    return sort(g, x, *args)[1]
+
+
+@symbolic_helper.parse_args("v", "v", "i", "i", "i", "none")
+def topk(g, x, k, dim, largest, sorted, out=None):
+    """torch.topk, NaN ranked as torch ranks it (``_ranked``); tied values in index order (torch's order for ties is
+    its kernel's, unspecified)."""
+    return _ranked(g, x, dim, lambda keys: symbolic_helper._topk_helper(g, keys, k, dim, largest=largest, sorted=sorted))
 
 
 # ScatterElements and ScatterND add the values sent to one place (reduction='add') from this opset on; before
@@ -1271,6 +1292,7 @@ _SYMBOLICS = {
     "split": split,
     "sort": sort,
     "argsort": argsort,
+    "topk": topk,
     "batch_norm": batch_norm,
     "scaled_dot_product_attention": scaled_dot_product_attention,
     "diff": diff,
