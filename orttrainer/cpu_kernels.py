@@ -252,9 +252,11 @@ def gather_grad(build: NodeBuilder):
     where the scatter into zeros gave +0. Needs the gathered axis's static length.
     """
     shape, indices, dy = build.node.input[:3]
+    if indices not in build.constants:
+        return _scattered_gather_gradient(build)
     source = build.facts.producers.get(shape)
     whole_shape = source is not None and source.op_type == "Shape" and node_attributes(source).keys() <= {"start"}
-    if indices not in build.constants or not whole_shape or node_attribute(source, "start", 0) != 0:
+    if not whole_shape or node_attribute(source, "start", 0) != 0:
         return False
     index = build.constants[indices]
     data_shape = build.shapes.get(source.input[0])
@@ -273,6 +275,27 @@ def gather_grad(build: NodeBuilder):
         build.op("Gather", [dy, build.const(table[0], np.int64)], build.node.output[0], axis=axis)
     else:
         build.op("Sum", [build.op("Gather", [dy, build.const(row, np.int64)], axis=axis) for row in table], build.node.output[0])
+    return True
+
+
+def _scattered_gather_gradient(build: NodeBuilder):
+    """GatherGrad of indices computed in the run (a mixture of experts' tokens, ``x[indices]``) as one ScatterElements
+    adding dy into zeros, in float32 (ONNX Runtime has no float16 CPU kernel for it): the indices flattened to one axis
+    and repeated along dy's other axes. GatherGrad scatters under a lock per element (9.4 of NLLB-MoE's ~36 ms
+    profiled step, benchmarks/NOTES.md §41). The same terms are added, in index order."""
+    shape, indices, dy = build.node.input[:3]
+    source = build.facts.producers.get(shape)
+    data_shape = build.shapes.get(source.input[0]) if source is not None and source.op_type == "Shape" else None
+    if build.opset < 16 or not data_shape or len(build.shapes.get(indices) or [None, None]) != 1:
+        return False
+    rank = len(data_shape)  # dy's too: 1-d indices take the gathered axis's place
+    axis = build.attribute("axis", 0) % rank
+    along = build.op("Reshape", [indices, build.const([1] * axis + [-1] + [1] * (rank - axis - 1), np.int64)])
+    spread = build.op("Expand", [along, build.op("Shape", [dy])])
+    zeros = build.op("ConstantOfShape", [shape], value=numpy_helper.from_array(np.zeros(1, np.float32)))
+    wide = build.op("Cast", [dy], to=onnx.TensorProto.FLOAT)
+    summed = build.op("ScatterElements", [zeros, spread, wide], axis=axis, reduction="add")
+    build.op("CastLike", [summed, dy], build.node.output[0])
     return True
 
 
@@ -422,7 +445,7 @@ def use_fast_cpu_kernels(model: onnx.ModelProto, keep_op_types=(), built_from: o
     declared.update({initializer.name: list(initializer.dims) for initializer in model.graph.initializer})
     initializers = {initializer.name: initializer for initializer in model.graph.initializer}
     gather_indices = {node.input[1] for node in targets if node.op_type == "GatherGrad" and node.input[1] in initializers}
-    if gather_indices and built_from is not None:
+    if any(node.op_type == "GatherGrad" for node in targets) and built_from is not None:
         declared = {**static_shapes(built_from), **declared}
     constants = {name: numpy_helper.to_array(initializers[name]) for name in gather_indices}
     return replace_nodes(model, FAST_CPU_KERNELS, targets, shapes=declared, constants=constants)

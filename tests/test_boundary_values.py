@@ -344,6 +344,25 @@ def test_sort_and_topk_rank_nan_as_torch(function):
     check_against_torch(model, RANKED[function], {"x": RANKED_ROWS}, ["x"], upstream)
 
 
+# Gathers by indices computed in the run (cpu_kernels._scattered_gather_gradient: GatherGrad as a scatter that adds):
+# rows picked by how many of their values exceed 1 (repeats among them), columns by an argsort.
+# The gathered tensor is 2 x, not the weight x itself, whose row gathers train as embeddings (graph.EmbeddingGradient).
+GATHERED = {
+    "rows repeated": lambda x: (2 * x)[(x.detach().abs() > 1).sum(1) % x.shape[0]],
+    "columns by argsort": lambda x: (2 * x).index_select(1, x.detach().nan_to_num(0.0)[0].argsort()[:3]),
+    "rows counted from the end": lambda x: (2 * x)[(x.detach().abs() > 1).sum(1) % x.shape[0] - x.shape[0]],
+}
+
+
+@pytest.mark.parametrize("function", GATHERED)
+def test_gathers_by_indices_computed_in_the_run(function):
+    x = edge_values(2.0, -3.0, 0.5, 7.0).reshape(3, 7)
+    upstream = upstream_like(GATHERED[function](torch.tensor(x)).shape)
+    model = exported_model(GATHERED[function], {"x": x}, upstream, ["x"])
+    train = check_against_torch(model, GATHERED[function], {"x": x}, ["x"], upstream)
+    assert "GatherGrad" not in op_types(train)
+
+
 EINSUM = {
     "bi,ij->bj": [(3, 4), (4, 2)],
     "bij,bjk->bik": [(2, 1, 3), (2, 3, 2)],
