@@ -1614,6 +1614,30 @@ def broadcast_gradient(build):
     return True
 
 
+def pairwise_extreme(build):
+    """Max / Min of two inputs with torch.maximum's / minimum's gradient: dy to the larger (smaller) input, half to
+    each at a tie, and all to both where either is NaN. ONNX Runtime's divides dy by the number of inputs equal to the
+    output: 0 / 0 = NaN at a NaN output, which a mask after it (a NaN padding masked by where(isnan)) could not stop.
+    The NaN case is a + b (NaN), a tie a / 2 + b / 2, otherwise the chosen input; inputs are first broadcast to the
+    output's shape (``_broadcast_inputs``: their gradients sum back). More inputs: ``broadcast_gradient``."""
+    node = build.node
+    if len(node.input) != 2:
+        return broadcast_gradient(build)
+    shapes = [build.facts.symbols.get(name) for name in node.input]
+    if any(shape is None for shape in shapes):
+        return False
+    output = _broadcast_dims(shapes)
+    expanded = [index for index in (0, 1) if shapes[index] != output and node.input[index] not in build.constants]
+    broadcast = _broadcast_inputs(build, shapes, output, expanded) if expanded else {}
+    a, b = (broadcast.get(index, name) for index, name in enumerate(node.input))
+    wins = build.op("Greater" if node.op_type == "Max" else "Less", [a, b])
+    tie = build.op("Add", [build.op("Mul", [a, build.const(0.5)]), build.op("Mul", [b, build.const(0.5)])])
+    ordered = where(build, build.op("Equal", [a, b]), tie, where(build, wins, a, b))
+    nan = build.op("Or", [build.op("IsNaN", [a]), build.op("IsNaN", [b])])
+    where(build, nan, build.op("Add", [a, b]), ordered, _output(build))
+    return True
+
+
 REWRITES = {
     "Softplus": softplus,
     "Elu": elu,
@@ -1652,7 +1676,9 @@ REWRITES = {
     "Relu": select_before_singular,
     "Clip": select_before_singular,
     "ScatterND": scatter_with_reduction,
-    **dict.fromkeys(("Where", "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min"), broadcast_gradient),
+    **dict.fromkeys(("Where", "Add", "Sub", "Mul", "Div", "Pow"), broadcast_gradient),
+    "Max": pairwise_extreme,
+    "Min": pairwise_extreme,
 }
 
 

@@ -363,6 +363,26 @@ def test_gathers_by_indices_computed_in_the_run(function):
     assert "GatherGrad" not in op_types(train)
 
 
+# torch.maximum / minimum (rewrites.pairwise_extreme): ties split dy, NaN on either side gives both dy. Pairs of edge
+# values, equal ones among them, and a broadcast second input.
+PAIRS_A = edge_values(1.0, 2.0, 2.0, np.nan, -np.inf, 3.0)
+PAIRS_B = np.concatenate([edge_values()[::-1], np.array([1.0, 2.0, 5.0, 1.0, -np.inf, np.nan], np.float32)])
+EXTREMES = {
+    "maximum": (lambda a, b: torch.maximum(a, b), {"a": PAIRS_A, "b": PAIRS_B}),
+    "minimum": (lambda a, b: torch.minimum(a, b), {"a": PAIRS_A, "b": PAIRS_B}),
+    "maximum broadcast": (lambda a, b: torch.maximum(a.reshape(-1, 1), b), {"a": PAIRS_A[:6], "b": PAIRS_B[:5]}),
+    "minimum masked where NaN": (lambda a, b: torch.where(torch.isnan(b), 0.0, torch.minimum(a, b)), {"a": PAIRS_A, "b": PAIRS_B}),
+}
+
+
+@pytest.mark.parametrize("function", EXTREMES)
+def test_maximum_and_minimum_give_torchs_gradient_at_ties_and_nan(function):
+    reference, values = EXTREMES[function]
+    upstream = upstream_like(reference(*(torch.tensor(value) for value in values.values())).shape)
+    model = exported_model(reference, values, upstream, list(values))
+    check_against_torch(model, reference, values, list(values), upstream)
+
+
 EINSUM = {
     "bi,ij->bj": [(3, 4), (4, 2)],
     "bij,bjk->bik": [(2, 1, 3), (2, 3, 2)],
