@@ -138,15 +138,21 @@ _DISABLED_OPTIMIZERS = ["MatMulScaleFusion"]
 # resized: permute, interpolate, permute back), and leaves a Resize the cubic kernel refuses ("'Cubic' mode only
 # support ... outermost 2 scale values being 1"; docs/stack_facts.md).
 _BREAKS_CUBIC_RESIZE = ["TransposeOptimizer_CPUExecutionProvider"]
+# Off in the sessions of float16 (mixed precision) graphs: with it, ONNX Runtime 1.19.2 crashed at session creation
+# (a segmentation fault) on a float16 training graph where a MatMul's output gets a bias computed from a weight, as in
+# cdist's matrix-product form (docs/stack_facts.md).
+_BREAKS_FLOAT16_GEMMS = ["GemmTransposeFusion"]
 _SPINNING_ENTRIES = ("session.intra_op.allow_spinning", "session.inter_op.allow_spinning")
 
 
 def disabled_optimizers(model: onnx.ModelProto) -> list:
-    """The graph transformers a session of ``model`` runs without: ``_DISABLED_OPTIMIZERS``, and
-    ``_BREAKS_CUBIC_RESIZE`` if it holds a cubic Resize."""
+    """The graph transformers a session of ``model`` runs without: ``_DISABLED_OPTIMIZERS``,
+    ``_BREAKS_CUBIC_RESIZE`` if it holds a cubic Resize, ``_BREAKS_FLOAT16_GEMMS`` if it computes in float16."""
     cubic = any(node.op_type == "Resize" and attribute.name == "mode" and attribute.s == b"cubic"
                 for node in model.graph.node for attribute in node.attribute)  # fmt: skip
-    return _DISABLED_OPTIMIZERS + (_BREAKS_CUBIC_RESIZE if cubic else [])
+    float16 = any(node.op_type == "Cast" and attribute.name == "to" and attribute.i == onnx.TensorProto.FLOAT16
+                  for node in model.graph.node for attribute in node.attribute)  # fmt: skip
+    return _DISABLED_OPTIMIZERS + (_BREAKS_CUBIC_RESIZE if cubic else []) + (_BREAKS_FLOAT16_GEMMS if float16 else [])
 
 
 def session_options(base=None, deterministic=False, optimized_model_path="", threads=None) -> onnxruntime.SessionOptions:

@@ -1559,3 +1559,35 @@ def test_ops_the_graph_cannot_hold_for_every_batch_are_refused_by_name(cumulate,
     trainer = ORTTrainer(CountedClasses(cumulate), None, optim.SGDConfig(lr=0.1), loss_fn=F.mse_loss, options=cpu_options())
     with pytest.raises(error, match=message):
         trainer.train_step(torch.randn(5, 4), torch.randn(5, 3))
+
+
+class RootsSortsAndExtremes(nn.Module):
+    """maximum, a root of a ReLU, a stable sort and a top-k in one model, for the float16 graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.out = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x, _):
+        hidden = self.embed(x)
+        features = torch.maximum(hidden, -hidden * 0.5).sqrt() + torch.relu(hidden).sqrt()
+        return self.out(features + hidden.sort(dim=1, stable=True).values + hidden.topk(2, dim=1).values.sum(1, keepdim=True))
+
+
+@pytest.mark.parametrize("make, make_second", [
+    (AnnotatedLayerNorm, _zero_rows_later),
+    (OffsetBuckets, _negative_offsets_later),
+    (lambda: NearestCentres("use_mm_for_euclid_dist"), lambda step: torch.zeros(5)),
+    (RootsSortsAndExtremes, lambda step: torch.zeros(5)),
+], ids=["std-and-norm", "floor-division", "cdist-product-form", "roots-sorts-extremes"])  # fmt: skip
+def test_this_sessions_rewrites_train_under_mixed_precision(make, make_second):
+    """The float16 losses track the float32 ones. cdist's product form crashed ONNX Runtime's session creation (a
+    segmentation fault) in a float16 graph until GemmTransposeFusion was turned off there (session.py)."""
+
+    def losses(mixed):
+        torch.manual_seed(0)
+        options = {"mixed_precision": {"enabled": mixed, "loss_scaler": amp.DynamicLossScaler(loss_scale=1024.0)}}
+        trainer = ORTTrainer(make(), None, optim.SGDConfig(lr=0.1), loss_fn=F.mse_loss, options=cpu_options(options))
+        return [trainer.train_step(*batch)[0].item() for batch in _later_batches(make_second)]
+
+    np.testing.assert_allclose(losses(True), losses(False), rtol=2e-2)
