@@ -1476,7 +1476,10 @@ def select_before_singular(build):
     if node.op_type == "Relu":
         low, high, strict = 0.0, float("inf"), True
     else:
-        low, high = [float(build.constant_input(index).reshape(-1)[0]) if len(node.input) > index and node.input[index]
+        given = [name for name in node.input[1:3] if name]
+        if any(name not in build.constants for name in given):  # bounds computed in the run: the Clip is kept
+            return False
+        low, high = [float(build.constants[node.input[index]].reshape(-1)[0]) if len(node.input) > index and node.input[index]
                      else default for index, default in ((1, float("-inf")), (2, float("inf")))]  # fmt: skip
         strict = node.doc_string == ZERO_GRADIENT_AT_BOUNDS
     above, below = ("Greater", "Less") if strict else ("GreaterOrEqual", "LessOrEqual")

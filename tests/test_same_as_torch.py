@@ -1591,3 +1591,23 @@ def test_this_sessions_rewrites_train_under_mixed_precision(make, make_second):
         return [trainer.train_step(*batch)[0].item() for batch in _later_batches(make_second)]
 
     np.testing.assert_allclose(losses(True), losses(False), rtol=2e-2)
+
+
+class RootOfAClampByARunTimeBound(nn.Module):
+    """``h.clamp(min=bound).sqrt()`` with the bound computed in forward: the Clip keeps ONNX Runtime's gradient
+    (rewrites.select_before_singular takes constant bounds only) and trains as torch where the bound is positive."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.out = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        hidden = self.embed(x)
+        return self.out(hidden.clamp(min=hidden.detach().abs().mean()).sqrt())
+
+
+def test_a_clamp_by_a_bound_computed_in_the_run_before_a_root_trains_like_torch():
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(5, 4, generator=generator), torch.randn(5, 3, generator=generator)) for _ in range(3)]
+    torch.manual_seed(0)
+    run_parity(RootOfAClampByARunTimeBound(), batches, optim.SGDConfig(lr=0.1), sgd, loss_fn=F.mse_loss)
