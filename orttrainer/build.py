@@ -33,9 +33,9 @@ class Runtime:
 
     ``from_torch`` also fills ``aliases`` (tied weights: {alias: first name}), ``unexported_state``
     and ``batch_counters`` (torch state the graph does not hold), ``reference`` (a verify.Reference,
-    for the first-step check against torch), ``eval_reference`` (for the first eval_step's) and ``export_sample`` (the batch and torch's
-    outputs, for debug.check_model_export). Runtimes of one trainer share ``weights``, these,
-    ``owned`` and ``scales``.
+    for the first-step check against torch), ``eval_reference`` (a verify.ModuleCall, for the first
+    eval_step's) and ``export_sample`` (the batch and torch's outputs, for debug.check_model_export).
+    Runtimes of one trainer share ``weights``, these, ``owned`` and ``scales``.
     """
 
     def __init__(self, model_desc, onnx_model, graphs, sessions, weights: dict, trainable, scales, device):
@@ -274,7 +274,7 @@ def from_torch(source, exported, device, providers, data_parallel=None, shared=N
         runtime.batch_counters = shared.batch_counters
     runtime.reference = reference  # the first train_step on this graph checks against it
     if checked:  # and the first eval_step against the module in eval mode
-        runtime.eval_reference = verify.EvalReference(source.module, source.forward_names, exported.constants)
+        runtime.eval_reference = verify.ModuleCall(source.module, source.forward_names, exported.constants)
     for index, tensor in enumerate(exported.outputs):
         desc.add_type_to_output_description(index, tensor.dtype, getattr(desc.outputs[index], "dtype_amp", None))
     if options.debug.check_model_export:

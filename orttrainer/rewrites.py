@@ -1482,21 +1482,23 @@ def select_before_singular(build):
         low, high = [float(build.constants[node.input[index]].reshape(-1)[0]) if len(node.input) > index and node.input[index]
                      else default for index, default in ((1, float("-inf")), (2, float("inf")))]  # fmt: skip
         strict = node.doc_string == ZERO_GRADIENT_AT_BOUNDS
-    above, below = ("Greater", "Less") if strict else ("GreaterOrEqual", "LessOrEqual")
-    passes = build.op("And", [_compare(build, above, x, low), _compare(build, below, x, high)])
-    if node.op_type == "Relu":  # NaN passes, as torch's threshold_backward lets it (not x <= 0)
-        passes = build.op("Not", [_compare(build, "LessOrEqual", x, 0.0)])
-    held = where(build, _compare(build, "LessOrEqual" if strict else "Less", x, low), low, high)
+    at_low = _compare(build, "LessOrEqual" if strict else "Less", x, low)  # held at the low bound
+    held = where(build, at_low, low, high)
     held = where(build, build.op("Not", [build.op("IsNaN", [x])]), held, float("nan"))
     if 0.0 in (low, high):
         held = where(build, build.op("Not", [is_negative_zero(build, x)]), held, -0.0)
     zero_passes = low < 0.0 < high if strict else low <= 0.0 <= high
     if zero_passes:  # a -0 of x is put out as it is: x in the second branch (no Not: ONNX Runtime swaps the branches)
-        outside = build.op("Or", [_compare(build, "LessOrEqual" if strict else "Less", x, low),
-                                  _compare(build, "GreaterOrEqual" if strict else "Greater", x, high)])  # fmt: skip
-        where(build, build.op("Or", [outside, build.op("IsNaN", [x])]), held, x, _output(build))
-    else:  # a -0 of x is held: the held values in the second branch
-        where(build, passes, x, held, _output(build))
+        at_high = _compare(build, "GreaterOrEqual" if strict else "Greater", x, high)
+        where(build, build.op("Or", [build.op("Or", [at_low, at_high]), build.op("IsNaN", [x])]), held, x, _output(build))
+        return True
+    # a -0 of x is held: the held values in the second branch
+    if node.op_type == "Relu":  # NaN passes, as torch's threshold_backward lets it (not x <= 0)
+        passes = build.op("Not", [at_low])
+    else:
+        above, below = ("Greater", "Less") if strict else ("GreaterOrEqual", "LessOrEqual")
+        passes = build.op("And", [_compare(build, above, x, low), _compare(build, below, x, high)])
+    where(build, passes, x, held, _output(build))
     return True
 
 

@@ -857,7 +857,7 @@ def _euclidean_distances(build, x1, x2, dtype):
 def floor_divide(g, x, divisor):
     """``x // divisor`` rounds down, as torch does; torch's symbolic truncated towards 0 ("deprecated behavior",
     its comment says), so -3 // 2 was -1, not -2 (relative positions, window indices)."""
-    return symbolic_opset10._floor_divide(g, x, divisor) if g.opset >= 10 else symbolic_opset9._floor_divide(g, x, divisor)
+    return symbolic_opset10._floor_divide(g, x, divisor)  # orttrainer exports at opset 12 or more
 
 
 def baddbmm(g, x, batch1, batch2, beta, alpha):

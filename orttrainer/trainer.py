@@ -248,9 +248,9 @@ class ORTTrainer:
                 gradients = {}
             gradients = {name: grad.float() / runtime.loss_scale.item() for name, grad in gradients.items()}
         ort = verify.StepResult(dict(zip(output_names, outputs)), gradients, buffers)
-        dtype = torch.float16 if self.options.mixed_precision.enabled else torch.float32
         where = graph.where_in_graph(runtime.onnx_model, list(gradients) + output_names + list(buffers))
-        verify.check(ort, run_torch, runtime.weights, dtype, where, self.options.debug.check_against_torch, torch_result)
+        mode = self.options.debug.check_against_torch
+        verify.check(ort, run_torch, runtime.weights, self._checked_dtype(), where, mode, torch_result)
 
     def _update_weights(self, lr, accumulation):
         """Sum over ranks, undo the loss scale (skipping non-finite steps), then the optimizer on
@@ -305,23 +305,29 @@ class ORTTrainer:
     def eval_step(self, *args, **kwargs):
         """Forward only, in inference mode (dropout off, BatchNorm on running statistics)."""
         inputs = self._ensure_initialized(args, kwargs)
-        if self._runtime.eval_reference is not None:
-            self._check_eval_against_torch(inputs)
-        return self._returned(self._runtime.run_eval(inputs, self._requested_outputs()))
+        requested = self._requested_outputs()
+        if self._runtime.eval_reference is None:
+            return self._returned(self._runtime.run_eval(inputs, requested))
+        outputs = self._runtime.run_eval(inputs, [entry.name for entry in self.model_desc.outputs])
+        self._check_eval_against_torch(inputs, outputs)
+        return self._select_outputs(outputs, requested)
 
-    def _check_eval_against_torch(self, inputs):
-        """The built-in check at the first eval_step on a graph (verify.py): the eval graph's outputs on this
+    def _check_eval_against_torch(self, inputs, outputs):
+        """The built-in check at the first eval_step on a graph (verify.py): the eval graph's ``outputs`` on this
         batch against the module's in eval mode on the same weights; nothing of the trainer's state changes."""
         runtime = self._runtime
         reference, runtime.eval_reference = runtime.eval_reference, None
         output_names = [entry.name for entry in self.model_desc.outputs]
         run_torch = functools.partial(verify.torch_eval, reference.module, self.loss_fn, reference.forward_names, inputs,
                                       output_names=output_names, constants=reference.constants)  # fmt: skip
-        ort = verify.StepResult(dict(zip(output_names, runtime.run_eval(inputs, output_names))), {})
-        dtype = torch.float16 if self.options.mixed_precision.enabled else torch.float32
+        ort = verify.StepResult(dict(zip(output_names, outputs)), {})
         where = graph.where_in_graph(runtime.onnx_model, output_names)
-        verify.check(ort, run_torch, runtime.weights, dtype, where, self.options.debug.check_against_torch,
-                     subject=verify.FIRST_EVAL)  # fmt: skip
+        mode = self.options.debug.check_against_torch
+        verify.check(ort, run_torch, runtime.weights, self._checked_dtype(), where, mode, subject=verify.FIRST_EVAL)
+
+    def _checked_dtype(self):
+        """The dtype ONNX Runtime computed in, which sets the checks' tolerance (verify.compare)."""
+        return torch.float16 if self.options.mixed_precision.enabled else torch.float32
 
     # ------------------------------------------------------------- state dict
     def state_dict(self, pytorch_format=False):

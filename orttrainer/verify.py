@@ -148,8 +148,9 @@ def _without_activation_checkpointing(module) -> None:
 
 
 @dataclass
-class EvalReference:
-    """The torch side of a graph's first eval_step check: the module, and how its forward is called."""
+class ModuleCall:
+    """The torch module a graph came from and how its forward is called: the torch side of a graph's first
+    eval_step check."""
 
     module: torch.nn.Module
     forward_names: list
@@ -157,14 +158,11 @@ class EvalReference:
 
 
 @dataclass
-class Reference:
+class Reference(ModuleCall):
     """The torch side of a graph's first-step check: the module, and torch's step taken when the graph
     was built (before ONNX Runtime held any memory: the two would otherwise add up) on weights whose
     bytes had the ``digests`` (not a copy: that would be the model's size again)."""
 
-    module: torch.nn.Module
-    forward_names: list
-    constants: dict  # the step's constants the graph was exported with
     step: StepResult
     digests: dict  # name -> weight_digest of the tensor the step ran with
 

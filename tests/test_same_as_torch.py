@@ -1327,16 +1327,18 @@ def test_sums_over_repeated_indices_train_under_mixed_precision(aggregation):
     """The scatters that add stay in float32 (ONNX Runtime's CPU kernels add in float32 only): the float16 losses
     track the float32 ones."""
 
-    def losses(mixed):
-        torch.manual_seed(0)
-        options = {"mixed_precision": {"enabled": mixed, "loss_scaler": amp.DynamicLossScaler(loss_scale=1024.0)}}
-        trainer = ORTTrainer(MessagePassing(aggregation), None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy,
-                             options=cpu_options(options))  # fmt: skip
-        return [trainer.train_step(*batch)[0].item() for batch in graph_batches([[0, 0, 1, 2, 3, 3]] * 6)]
-
-    float32, float16 = losses(False), losses(True)
+    batches, make = graph_batches([[0, 0, 1, 2, 3, 3]] * 6), functools.partial(MessagePassing, aggregation)
+    float32, float16 = (_sgd_losses(make, batches, F.cross_entropy, mixed) for mixed in (False, True))
     np.testing.assert_allclose(float16, float32, rtol=2e-2)
     assert float32[-1] < float32[0]
+
+
+def _sgd_losses(make, batches, loss_fn, mixed_precision):
+    """The losses of an ORTTrainer (SGD, lr 0.1) of ``make()`` over ``batches``, with or without mixed precision."""
+    torch.manual_seed(0)
+    options = {"mixed_precision": {"enabled": mixed_precision, "loss_scaler": amp.DynamicLossScaler(loss_scale=1024.0)}}
+    trainer = ORTTrainer(make(), None, optim.SGDConfig(lr=0.1), loss_fn=loss_fn, options=cpu_options(options))
+    return [trainer.train_step(*batch)[0].item() for batch in batches]
 
 
 class InterleavedRotaryAttention(nn.Module):
@@ -1580,17 +1582,12 @@ class RootsSortsAndExtremes(nn.Module):
     (lambda: NearestCentres("use_mm_for_euclid_dist"), lambda step: torch.zeros(5)),
     (RootsSortsAndExtremes, lambda step: torch.zeros(5)),
 ], ids=["std-and-norm", "floor-division", "cdist-product-form", "roots-sorts-extremes"])  # fmt: skip
-def test_this_sessions_rewrites_train_under_mixed_precision(make, make_second):
+def test_roots_sorts_distances_and_floor_division_train_under_mixed_precision(make, make_second):
     """The float16 losses track the float32 ones. cdist's product form crashed ONNX Runtime's session creation (a
     segmentation fault) in a float16 graph until GemmTransposeFusion was turned off there (session.py)."""
-
-    def losses(mixed):
-        torch.manual_seed(0)
-        options = {"mixed_precision": {"enabled": mixed, "loss_scaler": amp.DynamicLossScaler(loss_scale=1024.0)}}
-        trainer = ORTTrainer(make(), None, optim.SGDConfig(lr=0.1), loss_fn=F.mse_loss, options=cpu_options(options))
-        return [trainer.train_step(*batch)[0].item() for batch in _later_batches(make_second)]
-
-    np.testing.assert_allclose(losses(True), losses(False), rtol=2e-2)
+    batches = _later_batches(make_second)
+    float32, float16 = (_sgd_losses(make, batches, F.mse_loss, mixed) for mixed in (False, True))
+    np.testing.assert_allclose(float16, float32, rtol=2e-2)
 
 
 class RootOfAClampByARunTimeBound(nn.Module):
