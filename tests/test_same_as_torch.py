@@ -1608,3 +1608,11 @@ def test_a_clamp_by_a_bound_computed_in_the_run_before_a_root_trains_like_torch(
     batches = [(torch.randn(5, 4, generator=generator), torch.randn(5, 3, generator=generator)) for _ in range(3)]
     torch.manual_seed(0)
     run_parity(RootOfAClampByARunTimeBound(), batches, optim.SGDConfig(lr=0.1), sgd, loss_fn=F.mse_loss)
+
+
+def test_roots_of_masked_values_sorts_and_extremes_train_like_torch():
+    """sqrt(relu(h)) where h < 0 (the mask's gradient times sqrt's infinite one was NaN), maximum, a stable sort and
+    a top-k, every state_dict key against torch's loop."""
+    torch.manual_seed(0)
+    run_parity(RootsSortsAndExtremes(), _later_batches(lambda step: torch.zeros(5)), optim.SGDConfig(lr=0.1), sgd,
+               loss_fn=F.mse_loss)  # fmt: skip
