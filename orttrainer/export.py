@@ -18,11 +18,13 @@ import functools
 import io
 import linecache
 import os
+import random
 import re
 import sys
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import onnx
 import torch
 from torch.nn.utils.parametrizations import _SpectralNorm
@@ -330,12 +332,13 @@ def refuse_custom_backward(module, loss_fn, forward_names, inputs, loss_index: i
 _OWN_DIRECTORY = os.path.dirname(__file__) + os.sep
 
 
-def _user_location() -> str:
-    """'file:line: source' of the innermost frame outside torch, Python's warnings and orttrainer."""
-    frame = sys._getframe(1)
+def _user_location(frame=None) -> str:
+    """'file:line: source' of the innermost frame outside torch, Python's warnings and random modules and orttrainer,
+    from ``frame`` (default: the caller's) outwards."""
+    frame = frame or sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not (filename.startswith(_TORCH_DIRECTORY) or filename.startswith(_OWN_DIRECTORY) or filename == warnings.__file__):
+        if _is_users(filename):
             source = linecache.getline(filename, frame.f_lineno).strip()
             return f"{filename}:{frame.f_lineno}" + (f": {source}" if source else "")
         frame = frame.f_back
@@ -693,6 +696,73 @@ def resolve_markers(model: onnx.ModelProto) -> dict:
     return lookups
 
 
+def _states_outside_torch() -> tuple:
+    """The states of the random generators forward may draw from unseen by the trace: Python's random module's
+    and numpy's global one (``np.random``)."""
+    return random.getstate(), np.random.get_state()
+
+
+def _drawn_between(before: tuple, after: tuple) -> list:
+    """The names of the generators whose states differ between ``before`` and ``after`` (``_states_outside_torch``)."""
+    drawn = [] if after[0] == before[0] else ["Python's random module"]
+    if not (np.array_equal(after[1][1], before[1][1]) and after[1][2:] == before[1][2:]):
+        drawn.append("numpy's global generator (np.random)")
+    return drawn
+
+
+def _is_users(filename: str) -> bool:
+    """Whether code in ``filename`` is the user's: not torch's, orttrainer's, or Python's warnings or random modules."""
+    return not (filename.startswith(_TORCH_DIRECTORY) or filename.startswith(_OWN_DIRECTORY)
+                or filename in (warnings.__file__, random.__file__))  # fmt: skip
+
+
+def _draw_locations(call, inputs, devices) -> list:
+    """The user's lines that draw from Python's random module or numpy's global generator in one run of ``call``.
+
+    A line tracer on the user's code compares the generators' states at each of its events: a change was made by
+    the user's line run last (numpy's generator methods are invisible to a profile hook)."""
+    found, last = {}, {"line": None, "states": _states_outside_torch()}
+
+    def trace_users_lines(frame, event, argument):
+        states = _states_outside_torch()
+        if last["line"] is not None and _drawn_between(last["states"], states):
+            found.setdefault(last["line"])
+        last["states"] = states
+        if event == "line":
+            last["line"] = _user_location(frame)
+        return trace_users_lines
+
+    def trace_calls(frame, event, argument):
+        return trace_users_lines if _is_users(frame.f_code.co_filename) else None
+
+    previous = sys.gettrace()
+    sys.settrace(trace_calls)
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            call(*inputs)
+    finally:
+        sys.settrace(previous)
+    return list(found)
+
+
+def _refuse_draws_outside_torch(before: tuple, model, call, inputs, devices) -> None:
+    """Refuses a forward (or loss) that drew from Python's random module or numpy's global generator while traced.
+
+    The trace cannot see such a draw: it keeps the first one's result as a constant, so every step would reuse it
+    (older transformers drew LayerDrop with ``random.uniform``; Wav2Vec2's SpecAugment draws its masks with numpy)."""
+    drawn = _drawn_between(before, _states_outside_torch())
+    if not drawn:
+        return
+    locations = _draw_locations(call, inputs, devices) or ["(not found when forward ran again)"]
+    raise ExportError(
+        f"{type(model).__name__}'s forward or loss draws from {' and '.join(drawn)} at:\n- " + "\n- ".join(locations)
+        + "\nThe trace cannot see such a draw: it keeps the first draw as a constant, so every step would reuse it (a "
+        "layer skipped always or never, the same mask on every batch) where torch draws anew each step. Draw with torch "
+        "and keep the draw in tensor ops (a mask from torch.rand), turn the random behaviour off (transformers: "
+        "config.layerdrop, mask_time_prob, mask_feature_prob = 0.0), or train this model with torch."
+    )
+
+
 def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outputs, opset: int, with_weights=True,
                    constants=None):  # fmt: skip
     """Export ``model`` (+ ``loss_fn``) in the modes it trains in, names and dynamic axes from model_desc.
@@ -708,6 +778,7 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
     wrapper = with_loss(model, loss_fn, forward_names, constants)
     buffer = io.BytesIO()
     devices = [inputs[0].device.index or 0] if inputs and inputs[0].is_cuda else []
+    states_before = _states_outside_torch()
     try:
         values = _ValuesTurnedPython()
         inputs_by_name = {name: tensor for (name, _), tensor in zip(desc_inputs, inputs)}
@@ -740,6 +811,7 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
     mismatch = _outputs_differing_by_mode(model, wrapper, desc_outputs)
     if mismatch:
         raise mismatch
+    _refuse_draws_outside_torch(states_before, model, wrapper, inputs, devices)
     exported = onnx.load_from_string(buffer.getvalue())
     _strip_wrapper_prefix(exported)
     lookups = resolve_markers(exported)
@@ -786,10 +858,9 @@ def refuse_data_dependent_trace(first: bytes, again: bytes, frozen_values) -> No
     ``first`` (both serialized without the weights)."""
     if first != again:
         raise ExportError(
-            "the exported graph depends on the values of the batch it was traced with, or on random draws outside "
-            "torch (numpy's, Python's random: SpecAugment's masks), since a batch of other values gives another "
-            "graph; so it would train every later batch as if it were the first. Values frozen at:\n- "
+            "the exported graph depends on the values of the batch it was traced with, or on random draws the trace "
+            "cannot see (a numpy Generator or random.Random of forward's own), since a batch of other values gives "
+            "another graph; so it would train every later batch as if it were the first. Values frozen at:\n- "
             + "\n- ".join(frozen_values)
-            + "\nKeep these computations in tensor ops, turn the random masking off (transformers: "
-            "config.mask_time_prob, mask_feature_prob = 0.0), or train this model with torch."
+            + "\nKeep these computations in tensor ops, or train this model with torch."
         )

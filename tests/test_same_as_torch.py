@@ -4,6 +4,7 @@ clear error before training: never silently different. Each case goes through th
 import copy
 import functools
 import math
+import random
 import warnings
 
 import numpy as np
@@ -442,6 +443,46 @@ def test_python_branch_on_a_random_draw_is_refused_naming_the_line():
     with pytest.raises(ExportError, match=r"test_same_as_torch.py:\d+: if self.training and torch.rand\(\[\]\) < 0.5:: a "
                                           r"Python value .* computed from a random draw .* every step would take the same "
                                           r"branch"):  # fmt: skip
+        trainer.train_step(torch.randn(3, 4), torch.randn(3, 4))
+
+
+class LayerDropDrawnWithPython(nn.Module):
+    """LayerDrop as transformers drew it before torch.rand (``random.uniform(0, 1) < layerdrop``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        x = torch.relu(self.first(x))
+        if self.training and random.uniform(0, 1) < 0.1:
+            return x
+        return self.second(x)
+
+
+class NoiseDrawnWithNumpy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        noise = np.random.standard_normal(tuple(x.shape)).astype(np.float32)
+        return self.fc(x + 0.1 * torch.from_numpy(noise))
+
+
+@pytest.mark.parametrize("module, line", [
+    (LayerDropDrawnWithPython, r"Python's random module at:\n- \S*test_same_as_torch.py:\d+: if self.training and "
+                               r"random.uniform\(0, 1\) < 0.1:"),
+    (NoiseDrawnWithNumpy, r"numpy's global generator \(np.random\) at:\n- \S*test_same_as_torch.py:\d+: noise = "
+                          r"np.random.standard_normal"),
+], ids=["python-random", "numpy-random"])  # fmt: skip
+def test_draws_from_generators_the_trace_cannot_see_are_refused_naming_the_line(module, line):
+    """The trace records such a draw's result as a constant: every step would reuse the first draw. LayerDrop at 0.1
+    drew "keep" in both exports of the values check most of the time (with this seed always), so the layer was never
+    skipped, without a word."""
+    random.seed(0)
+    trainer = ORTTrainer(module(), None, optim.SGDConfig(lr=0.1), loss_fn=F.mse_loss, options=cpu_options())
+    with pytest.raises(ExportError, match=rf"(?s)forward or loss draws from {line}.*every step would reuse it"):
         trainer.train_step(torch.randn(3, 4), torch.randn(3, 4))
 
 
@@ -1463,6 +1504,22 @@ def test_cdist_whose_form_depends_on_a_changing_row_count_is_refused_naming_the_
     trainer = ORTTrainer(NearestCentres("use_mm_for_euclid_dist_if_necessary"), None, optim.SGDConfig(lr=0.1), loss_fn=F.mse_loss, options=cpu_options())
     with pytest.raises(ExportError, match=r"cdist in module 'model' over a number of rows that changes with the batch.*"
                                           r"pass compute_mode='use_mm_for_euclid_dist' or 'donot_use_mm_for_euclid_dist'"):
+        trainer.train_step(*_later_batches(lambda step: torch.zeros(5))[0])
+
+
+class CentreDistances(nn.Module):
+    def __init__(self, p):
+        super().__init__()
+        self.embed, self.centres, self.p = nn.Linear(4, 3), nn.Parameter(torch.randn(3, 3)), p
+
+    def forward(self, x, _):
+        return torch.cdist(self.embed(x), self.centres, p=self.p)
+
+
+@pytest.mark.parametrize("p", [0.5, float("inf")])
+def test_cdist_of_a_norm_orttrainer_does_not_train_is_refused_naming_p(p):
+    trainer = ORTTrainer(CentreDistances(p), None, optim.SGDConfig(lr=0.1), loss_fn=F.mse_loss, options=cpu_options())
+    with pytest.raises(ExportError, match=rf"cdist in module 'model' with p={p}: orttrainer trains p >= 1 finite"):
         trainer.train_step(*_later_batches(lambda step: torch.zeros(5))[0])
 
 
