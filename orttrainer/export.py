@@ -368,7 +368,7 @@ _HARMLESS = [
     (DeprecationWarning, r"You are using the legacy TorchScript-based ONNX export"),
     # torch's exporter calling one of its own deprecated helpers
     (DeprecationWarning, r"The feature will be removed\. Please remove usage of this function"),
-    # symbolics.index turns negative indices into positive ones before torch's formula
+    # symbolics.indexing.index turns negative indices into positive ones before torch's formula
     (UserWarning, r"Exporting aten::index operator of advanced indexing .* If indices include negative values"),
     # an optimisation of the exporter's skipped: the graph computes the same
     (UserWarning, r"Constant folding - Only steps=1 can be constant folded"),
@@ -558,7 +558,7 @@ class _NoGradResultsDetached(TorchFunctionMode):
     """Detaches, in the trace, what forward computes under ``torch.no_grad()`` from tensors that require grad.
 
     torch gives such a result no gradient; a trace records no grad mode, so ONNX Runtime would differentiate
-    through it. The detach is recorded and cut as a user's ``detach()`` is (``symbolics.detach``). In-place
+    through it. The detach is recorded and cut as a user's ``detach()`` is (``symbolics.elementwise.detach``). In-place
     ops are left as they are: their result is the tensor they changed.
     """
 

@@ -219,7 +219,7 @@ def drop_zero_dropouts(model: onnx.ModelProto) -> None:
 def set_inference_mode(model: onnx.ModelProto) -> None:
     """Dropout off and BatchNormalization on running statistics (the eval graph). A BatchNormalization
     whose running statistics are neither graph inputs nor initializers has none (``track_running_stats=False``:
-    placeholders computed in the graph, symbolics.batch_norm): it normalizes by the batch's statistics in
+    placeholders computed in the graph, symbolics.layers.batch_norm): it normalizes by the batch's statistics in
     eval too, as torch's."""
     stored = {graph_input.name for graph_input in model.graph.input} | {init.name for init in model.graph.initializer}
     for node in model.graph.node:

@@ -56,7 +56,7 @@ class GraphFacts:
 class OpEmitter:
     """Opset-aware reductions and (un)squeezes over ``op`` and ``const``.
 
-    The formulas below are written against this interface, so that symbolics.py emits the
+    The formulas below are written against this interface, so that symbolics/ emits the
     same constructions into torch's export graph as the rewrites emit into an ONNX graph.
     """
 
@@ -1023,7 +1023,7 @@ def reduce_extreme(build):
     and, as torch's 0/0 tie count does, a NaN gradient to each of its elements.
 
     torch.max(x, dim) / min(x, dim), whose gradient goes to the first extreme only, are
-    exported by symbolics.py as first_extreme, never as ReduceMax: so a ReduceMax next to an
+    exported by symbolics/ as first_extreme, never as ReduceMax: so a ReduceMax next to an
     ArgMax of the same axis comes from amax + argmax and keeps amax's gradient. Ties of more
     than two values that are not exactly divisible by their count may round an ulp off.
     """

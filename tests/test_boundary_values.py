@@ -222,7 +222,7 @@ def test_cumsum_spreads_inf_and_nan_only_forward(axis, reverse, exclusive):
     check_against_torch(model, reference, {"x": finite}, ["x"], upstream)
 
 
-# Sums over repeated indices (rewrites.scatter_with_reduction, symbolics.index_add / index_put): rows 0, 2 and 3 of
+# Sums over repeated indices (rewrites.scatter_with_reduction, symbolics.indexing.index_add / index_put): rows 0, 2 and 3 of
 # the data get 3, 2 and 1 updates, rows 1 and 4 none. Each column is a case: signed zeros, infinities and NaN,
 # denormals and tiny values, huge values overflowing, ordinary values. Values sent to one row keep one sign where
 # they are huge: the updates are summed before the data is added, so a sum that cancels huge values of opposite
@@ -257,7 +257,7 @@ def test_sums_over_repeated_indices(function, empty):
     check_against_torch(model, SUMS_OVER_INDICES[function], values, ["data", "updates"], upstream)
 
 
-# Roots whose gradient torch masks to 0 where the root is 0 (symbolics._root_with_zero_gradient_at_zero): rows that are
+# Roots whose gradient torch masks to 0 where the root is 0 (symbolics.reductions._root_with_zero_gradient_at_zero): rows that are
 # constant (zero variance, zero norm), tiny (a variance that underflows to 0), huge, infinite, NaN, and a size-1 row.
 ROOT_ROWS = np.array([[2.0, 2.0, 2.0, 2.0], [0.0, -0.0, 0.0, 0.0], [1e-30, -1e-30, 1e-30, 0.0], [1e20, -1e20, 3e19, 0.0],
                       [1.0, -2.0, 0.5, 3.0], [np.inf, 1.0, 0.0, 2.0], [np.nan, 1.0, 0.0, 2.0], [-1.5, 0.0, 0.0, 0.0]],
@@ -323,7 +323,7 @@ def test_masked_values_a_root_or_log_reads(function):
     check_against_torch(model, MASKED_SINGULAR[function], {"x": x}, ["x"], upstream, ulps=16 if "**" in function else ULPS)
 
 
-# torch's sort and topk rank NaN above +inf (symbolics._ranked); a stable sort keeps ties in order. Rows: two NaN among
+# torch's sort and topk rank NaN above +inf (symbolics.reductions._ranked); a stable sort keeps ties in order. Rows: two NaN among
 # values, +inf and -inf, ties, a row of NaN only. topk without ties but NaN's (its order of ties is its kernel's).
 RANKED_ROWS = np.array([[1.0, np.nan, 3.0, np.nan, 2.0, 0.5], [np.inf, 1.0, np.nan, -np.inf, 0.0, -2.0],
                         [2.0, 2.0, -1.0, 2.0, -1.0, 7.0], [np.nan] * 6], np.float32)  # fmt: skip
@@ -708,7 +708,7 @@ _LOGITS = edge_values(*spread(1e-3, 200), 17.0, -17.0, 88.0, 89.0, -88.0, -104.0
 @pytest.mark.parametrize("target, extra, floor", [(1.0, {}, 1e-9), (0.0, {}, 1e-9), (1.0, {"weight": 0.5}, 1e-9),
                                                   (0.3, {}, 3e-7), (0.3, {"pos_weight": 2.0}, 3e-7)])  # fmt: skip
 def test_binary_cross_entropy_with_logits(target, extra, floor):
-    """symbolics.binary_cross_entropy_with_logits: torch's loss and gradient over logits from tiny to
+    """symbolics.losses.binary_cross_entropy_with_logits: torch's loss and gradient over logits from tiny to
     FLT_MAX (the exporter's log(sigmoid) form was inf from |x| ~ 17-88 on, and 2.5% low at 17).
     Left out: x = -inf with a target above 0, inf here (the limit) and NaN in torch (0 * -inf).
     Floors: 1e-9 where the loss is e^x of x < -20, which torch's float32 rounds to 0 and its
@@ -724,7 +724,7 @@ def test_binary_cross_entropy_with_logits(target, extra, floor):
 
 
 def test_log_sigmoid():
-    """symbolics.log_sigmoid: x, not -inf, far below 0 (the exporter wrote Log(Sigmoid(x)))."""
+    """symbolics.elementwise.log_sigmoid: x, not -inf, far below 0 (the exporter wrote Log(Sigmoid(x)))."""
     values = {"x": _LOGITS}
     upstream = upstream_like(_LOGITS.shape)
     check_against_torch(exported_model(F.logsigmoid, values, upstream, ["x"]), F.logsigmoid, values, ["x"], upstream)
@@ -779,7 +779,7 @@ def test_bilinear_with_size_one_dimensions():
 
 @pytest.mark.parametrize("eps", [1e-6, float(np.finfo(np.float32).eps)])
 def test_rms_norm(eps):
-    """torch's rms_norm (nn.RMSNorm), which the exporter refuses (symbolics.rms_norm), over rows of
+    """torch's rms_norm (nn.RMSNorm), which the exporter refuses (symbolics.layers.rms_norm), over rows of
     edge values: zeros, tiny, huge (x * x overflows in float32, as in torch's float32 composite), inf, NaN.
     In the row with 3e38 the small entries' gradients are ~2e-38 in float64, NaN in torch's float32
     and 0 here: the floor allows that 0."""
@@ -809,7 +809,7 @@ _ROW_PAIRS = (np.array([[1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0
 
 @pytest.mark.parametrize("p, ulps", [(1.0, ULPS), (2.0, ULPS), (3.0, 32), (np.inf, ULPS)])
 def test_pairwise_distance(p, ulps):
-    """symbolics.pairwise_distance: the p-norm of x1 - x2 + eps, as torch's (its own symbolic summed
+    """symbolics.reductions.pairwise_distance: the p-norm of x1 - x2 + eps, as torch's (its own symbolic summed
     signed differences for p = 1 and gave a NaN gradient for identical rows). Known differences left
     out: for p = 1 and inf, the gradient of the other elements of a row whose difference holds a NaN
     (torch: 0, here NaN); for p = 3 (Pow, ReduceSum, Pow), ONNX Runtime's Pow is up to ~12 spacings
@@ -836,7 +836,7 @@ _CLAMPS = {
 
 @pytest.mark.parametrize("case", _CLAMPS)
 def test_clamp(case):
-    """symbolics.clamp: ±inf stay infinite with a scalar bound left out (torch's symbolic left Clip's
+    """symbolics.elementwise.clamp: ±inf stay infinite with a scalar bound left out (torch's symbolic left Clip's
     input out, which ONNX Runtime takes as ±FLT_MAX), and x at a tensor bound gets the whole gradient
     (torch's Max / Min split it between x and the bound); inputs at, just inside and just outside the bounds."""
     x = edge_values(0.5, -1.0, 0.49999997, 0.50000006, -0.99999994, -1.0000001)
@@ -857,7 +857,7 @@ _HARD_TANHS = {
 
 @pytest.mark.parametrize("case", _HARD_TANHS)
 def test_hardtanh(case):
-    """symbolics.hardtanh: the exporter writes hardtanh and relu6 as the Clip it writes for clamp, whose gradient
+    """symbolics.elementwise.hardtanh: the exporter writes hardtanh and relu6 as the Clip it writes for clamp, whose gradient
     passes at the bounds; torch's hardtanh_backward gives 0 there (defined_gradients.zero_gradient_at_bounds).
     A clamp after a ReLU keeps the ReLU's 0 at 0. Inputs at, just below and just above each bound."""
     bounds = np.float32([0.0, 6.0, -1.0, 1.0, -2.0, 0.5])
@@ -870,14 +870,14 @@ def test_hardtanh(case):
 @pytest.mark.parametrize("function", [lambda x: F.hardshrink(x, 0.5), lambda x: F.softshrink(x, 0.5)],
                          ids=["hardshrink", "softshrink"])  # fmt: skip
 def test_shrink(function):
-    """symbolics.hardshrink / softshrink: NaN stays NaN (torch's symbolics gave 0); at, inside and outside ±lambd."""
+    """symbolics.elementwise.hardshrink / softshrink: NaN stays NaN (torch's symbolics gave 0); at, inside and outside ±lambd."""
     x = edge_values(0.5, -0.5, 0.49999997, -0.50000006, 0.25, -0.25, 2.0, -2.0)
     upstream = upstream_like(x.shape)
     check_against_torch(exported_model(function, {"x": x}, upstream, ["x"]), function, {"x": x}, ["x"], upstream)
 
 
 def test_atan2():
-    """symbolics.atan2 on every pair of edge values and a few ordinary ones: the value is IEEE's (torch's symbolic
+    """symbolics.elementwise.atan2 on every pair of edge values and a few ordinary ones: the value is IEEE's (torch's symbolic
     gave -pi for atan2(+0, -1), the wrong sign at x = -0, NaN at (0, 0) and (inf, inf)), the gradient torch's
     (NaN wherever x = 0 before), also at infinite inputs and where y * y + x * x underflows."""
     edges = edge_values(0.5, -2.0, 3.0)
@@ -902,7 +902,7 @@ _DIAGONALS = {
 
 @pytest.mark.parametrize("case", _DIAGONALS)
 def test_diagonal(case):
-    """symbolics.diagonal / diag: the diagonal gathered, so an inf or NaN elsewhere in a row stays out of it
+    """symbolics.indexing.diagonal / diag: the diagonal gathered, so an inf or NaN elsewhere in a row stays out of it
     (torch's symbolic multiplied by an eye mask and summed: NaN), and no If (which the gradient builder cannot pass)."""
     shape, function = _DIAGONALS[case]
     x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
@@ -920,7 +920,7 @@ _DETACHES = {
 
 @pytest.mark.parametrize("case", _DETACHES)
 def test_detach(case):
-    """symbolics.detach: torch's symbolic drops detach, so the gradient went through it (or the build failed on
+    """symbolics.elementwise.detach: torch's symbolic drops detach, so the gradient went through it (or the build failed on
     the Round of a straight-through estimator); the detached value is rewrites.detached's, on no gradient path."""
     x = edge_values(0.125, 0.375, -0.625, 2.5, 1e20, -3e25)
     function = _DETACHES[case]
@@ -944,7 +944,7 @@ def test_detached_value_is_every_float32_bit_for_bit():
 
 
 def test_cosine_similarity():
-    """symbolics.cosine_similarity: each row over its norm clamped to eps for the value only, as torch's
+    """symbolics.reductions.cosine_similarity: each row over its norm clamped to eps for the value only, as torch's
     (its own symbolic gave a NaN gradient for a zero vector and overflowed from |x| ~ 1e19). Gradients
     that cancel to 0 (identical or opposite rows) keep rounding noise of ~1e-7 of their terms, in torch
     too: hence the floor."""
@@ -956,7 +956,7 @@ def test_cosine_similarity():
 
 @pytest.mark.parametrize("swap", [False, True])
 def test_triplet_margin_loss(swap):
-    """symbolics.triplet_margin_loss over the row pairs above as anchor and positive, the positive's
+    """symbolics.losses.triplet_margin_loss over the row pairs above as anchor and positive, the positive's
     rows reversed as negative (one equal to its anchor): with ``swap``, the identical anchor and
     positive of row 0 tie the two negative distances (half the gradient each, as in torch). Row 3's
     two distances' gradients cancel to ~1e-7 (rounding noise, in torch's float32 too): the floor."""
@@ -993,7 +993,7 @@ def test_cosine_embedding_loss():
 
 @pytest.mark.parametrize("threshold, value", [(0.5, -2.0), (-1.0, 20.0), (0.0, 0.0)])
 def test_threshold(threshold, value):
-    """symbolics.threshold (nn.Threshold; the exporter refuses a non-zero threshold or value): value
+    """symbolics.elementwise.threshold (nn.Threshold; the exporter refuses a non-zero threshold or value): value
     where x <= threshold, at the threshold too, and no gradient there; NaN passes with its gradient."""
     x = edge_values(threshold, np.nextafter(np.float32(threshold), np.float32(1)), np.nextafter(np.float32(threshold), np.float32(-1)))
     values = {"x": x}
@@ -1003,7 +1003,7 @@ def test_threshold(threshold, value):
 
 
 def test_channel_shuffle():
-    """symbolics.channel_shuffle: torch's permutation of the channels, values (inf, NaN) and gradients."""
+    """symbolics.indexing.channel_shuffle: torch's permutation of the channels, values (inf, NaN) and gradients."""
     x = np.resize(edge_values(), (2, 6, 2, 2)).astype(np.float32)
     values = {"x": x}
     function = lambda x: F.channel_shuffle(x, 3)  # noqa: E731
@@ -1035,7 +1035,7 @@ BAGS = {
 
 @pytest.mark.parametrize("case", BAGS)
 def test_embedding_bag(case):
-    """F.embedding_bag (nn.EmbeddingBag) exported without a Loop (symbolics.embedding_bag): each bag's
+    """F.embedding_bag (nn.EmbeddingBag) exported without a Loop (symbolics.indexing.embedding_bag): each bag's
     value and the gradient of every row, an empty bag's 0 included; max as torch's kernel takes it
     (the first of the largest, NaN only when it comes first) and its gradient to that entry only."""
     options = dict(BAGS[case])
@@ -1166,7 +1166,7 @@ def test_max_pool_window_of_several_nan(kernel, stride, pads):
 @pytest.mark.parametrize("probabilities", [False, True], ids=["class-indices", "class-probabilities"])
 @pytest.mark.parametrize("reduction, weighted", [("none", False), ("mean", True), ("sum", True)])
 def test_cross_entropy_with_label_smoothing_at_edge_values(reduction, weighted, probabilities):
-    """symbolics.cross_entropy_loss: torch's label smoothing formulas, a row per edge value (and a
+    """symbolics.losses.cross_entropy_loss: torch's label smoothing formulas, a row per edge value (and a
     kink's neighbour) among ordinary scores; with class indices one target ignored in the weighted
     cases, with class probabilities (soft labels) rows of a softmax."""
     rows = np.array([[value, 0.5, -1.0, 2.0, 0.0] for value in edge_values(*KINKS)], np.float32)
@@ -1193,7 +1193,7 @@ def test_cross_entropy_with_label_smoothing_at_edge_values(reduction, weighted, 
 
 @pytest.mark.parametrize("n, dim, ends", [(1, 1, False), (2, 0, False), (1, 1, True)])
 def test_diff(n, dim, ends):
-    """torch.diff, which the exporter refused (symbolics.diff): n differences along dim, prepend and append
+    """torch.diff, which the exporter refused (symbolics.reductions.diff): n differences along dim, prepend and append
     concatenated first; inf - inf gives NaN where torch's does."""
     x = _with_specials((4, 5))
     values = {"x": x, "before": np.full((4, 1), -3.0, np.float32), "after": np.full((4, 2), np.inf, np.float32)}
@@ -1204,7 +1204,7 @@ def test_diff(n, dim, ends):
 
 def test_cumsum_in_the_dtype_asked_for_and_of_bools_as_int64():
     """torch's symbolic dropped a constant dtype (a float32 sum where torch sums in float64: 1e8 + 1 - 1e8
-    is 0 in float32) and wrote a CumSum of bool, which ONNX has not (symbolics.cumsum)."""
+    is 0 in float32) and wrote a CumSum of bool, which ONNX has not (symbolics.reductions.cumsum)."""
     x = np.array([[1e8, 1.0, -1e8, 0.5], [3.0, -0.0, np.inf, 1.0]], np.float32)
 
     def function(x):
@@ -1239,7 +1239,7 @@ def _float_mask():
 
 @pytest.mark.parametrize("mask", ["bool", "float"])
 def test_attention_at_edge_scores_and_rows_that_see_no_key(mask):
-    """symbolics.scaled_dot_product_attention in the trainer: a query that sees no key (a bool mask all False, a float
+    """symbolics.layers.scaled_dot_product_attention in the trainer: a query that sees no key (a bool mask all False, a float
     mask all -inf) gets 0 and no gradient, as from torch's safe softmax; ties, huge scores, a lone key, masks mixing
     -inf with finite values. The float mask is a weight (a learned bias): its gradient is compared too. Where a query's
     scores' gradients cancel (the tie at ±7e17: 0 in float64) ONNX Runtime leaves 3.5e-8 of terms of ~1: the floor."""
@@ -1269,7 +1269,7 @@ def test_attention_over_one_key():
                                                               "gives 0, float64 6 and 7), and 0 where torch gives NaN (head 2: "
                                                               "no key, v holds inf: torch's 0 * inf)")  # fmt: skip
 def test_attention_rows_whose_scores_are_all_minus_inf_or_whose_values_are_not_finite():
-    """Known differences, left (symbolics.scaled_dot_product_attention would compute the scores itself, on every
+    """Known differences, left (symbolics.layers.scaled_dot_product_attention would compute the scores itself, on every
     attention's scores, to remove them): torch's safe softmax looks at the scores (q.k + mask), the symbolic at the
     mask only, so a row whose every score is -inf under a finite mask (an inf input; q.k beyond -FLT_MAX in float32,
     also -FLT_MAX, Hugging Face's masked value, plus a score below -1e31) is NaN here, and its gradients; and torch
@@ -1304,7 +1304,7 @@ _BATCH_STATISTICS = {
                         "channel 1 squares 3e38, weight gradient 0 (float64 -0.433, float32 NaN)")) if case == "beyond FLT_MAX"
                                   else case for case in _BATCH_STATISTICS])  # fmt: skip
 def test_batch_norm_without_running_statistics(case, tmp_path):
-    """symbolics.batch_norm without running statistics: normalized by the batch's statistics in train_step, in
+    """symbolics.layers.batch_norm without running statistics: normalized by the batch's statistics in train_step, in
     eval_step (graph.set_inference_mode keeps it in training mode) and in the model save_as_onnx writes (spelled out);
     variance 0 and 1e-60 (epsilon decides), 1e36 and beyond, inf and NaN (NaN over their channel, as torch's), one
     image of 2x3; the weight and bias's gradients too."""
@@ -1369,7 +1369,7 @@ _SEQUENCES = [(1, 1), (3, 5), (1, 5), (3, 1), (2, 1), (1, 1)]  # (batch, length)
 def test_ifs_decided_by_shape_inference_at_every_batch_shape(outputs, parts, monkeypatch):
     """rewrites.fold_static_sizes: Hugging Face's question-answering split(1, -1) and squeeze(-1) (the If takes its
     squeeze), pieces of 2 (the If keeps them), and an uneven split, 3 into 2 and 1 (refused before: torch's symbolic
-    wrote a Split whose pieces' sizes shape inference did not follow; symbolics.split writes Slices). One trainer takes batches of size 1 and 3 and lengths 1 and 5 in
+    wrote a Split whose pieces' sizes shape inference did not follow; symbolics.indexing.split writes Slices). One trainer takes batches of size 1 and 3 and lengths 1 and 5 in
     turn: each value and gradient is torch's (the inlined branch is the one every batch takes: a piece's size is the
     split's, whatever the batch's). Values are multiples of 1/8, a row of zeros among them; the gate is 1 within an
     ulp, so the weight's gradient, a sum of terms up to ~2 that cancel, carries ~1e-7 of them (torch's float32 too:
@@ -1399,7 +1399,7 @@ def test_ifs_that_shape_inference_cannot_decide_are_refused_at_every_batch_shape
 @pytest.mark.parametrize("dims, size", [(1, (3,)), (2, (2, 3)), (2, (3, 1)), (2, (4, 6)), (3, (2, 3, 2))],
                          ids=["1d-3", "2d-2x3", "2d-3x1", "2d-4x6 (overlapping windows)", "3d-2x3x2"])  # fmt: skip
 def test_adaptive_average_pool_to_sizes_that_do_not_divide(dims, size):
-    """symbolics._adaptive_average_pool (torch's exporter refuses these sizes): each output averages torch's window,
+    """symbolics.layers._adaptive_average_pool (torch's exporter refuses these sizes): each output averages torch's window,
     so an inf or NaN reaches only the windows that hold it, overlapping ones included; FLT_MAX overflows as torch's.
     No huge values of opposite signs: where 1e30 and -1e30 share a window with small ones, what survives their
     cancellation depends on the order of summation (torch's kernel 0.083, ONNX Runtime's 0, float64 833)."""

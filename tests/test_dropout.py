@@ -146,7 +146,7 @@ def test_dropout_with_p_zero_leaves_no_dropout_node_and_trains_like_torch(tmp_pa
 
 @pytest.mark.parametrize("dropout, shape", [(nn.Dropout1d, (6, 8, 5)), (nn.Dropout2d, (6, 8, 5, 5)), (nn.Dropout3d, (6, 8, 3, 3, 3))])
 def test_channel_dropout_zeroes_whole_channels_and_trains_through_the_rest(dropout, shape):
-    """nn.Dropout1d/2d/3d (the exporter refuses their training mode; symbolics.feature_dropout): each
+    """nn.Dropout1d/2d/3d (the exporter refuses their training mode; symbolics.layers.feature_dropout): each
     channel of each sample is 0 or the undropped value times 2 (p = 0.5); the weights' update is
     torch's for that same mask; masks change between steps; eval_step has no dropout."""
     torch.manual_seed(0)

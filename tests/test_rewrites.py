@@ -400,7 +400,7 @@ class WithLocalResponseNorm(nn.Module):
 
 def test_local_response_norm_trains_and_evaluates_as_torch_at_two_batch_sizes():
     """It exports a Pad before its AveragePool, whose pads torch's symbolic computed with ops shape inference
-    could not follow: the pool's rewrite, which needs the sizes, refused it (symbolics._onnx_paddings)."""
+    could not follow: the pool's rewrite, which needs the sizes, refused it (symbolics.layers._onnx_paddings)."""
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1)
     data = [(torch.randn(size, 3, 8, 8, generator=generator), torch.randn(size, 4, generator=generator)) for size in (2, 3, 2)]

@@ -120,7 +120,7 @@ def bag_batches(weighted, count=3, seed=0):
                          ids=["max, padding_idx, 2-D", "mean, padding_idx, 2-D", "sum, per_sample_weights, include_last_offset"])  # fmt: skip
 def test_embedding_bag_trains_as_torch(bag, weighted):
     """The exporter writes nn.EmbeddingBag as a Loop over the bags, which onnxruntime-training cannot
-    differentiate; orttrainer's symbolic gathers the bags instead (symbolics.embedding_bag)."""
+    differentiate; orttrainer's symbolic gathers the bags instead (symbolics.indexing.embedding_bag)."""
     torch.manual_seed(0)
     run_parity(Bagger(**bag), bag_batches(weighted), optim.SGDConfig(lr=0.5), lambda p: torch.optim.SGD(p, lr=0.5),
                loss_fn=F.cross_entropy)  # fmt: skip
@@ -262,14 +262,14 @@ class RMSNormBlock(nn.Module):
 
 
 def test_rms_norm_model_trains_as_torch():
-    """nn.RMSNorm, which the exporter refuses, is exported as torch's formula (symbolics.rms_norm)."""
+    """nn.RMSNorm, which the exporter refuses, is exported as torch's formula (symbolics.layers.rms_norm)."""
     torch.manual_seed(0)
     run_parity(RMSNormBlock(), token_batches(), optim.SGDConfig(lr=0.5), lambda p: torch.optim.SGD(p, lr=0.5), loss_fn=tagger_loss)
 
 
 def test_confident_logits_train_as_torch_with_bce_with_logits():
     """Logits of +-20 to +-60 (a confident classifier): torch's loss is about |x| where the target
-    disagrees; the exporter's log(sigmoid) form made it inf (symbolics.binary_cross_entropy_with_logits)."""
+    disagrees; the exporter's log(sigmoid) form made it inf (symbolics.losses.binary_cross_entropy_with_logits)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
     with torch.no_grad():
@@ -782,7 +782,7 @@ def test_weights_reaching_the_loss_only_through_indices_stay_as_in_torch():
 # ------------------------------------------------------------------ clamp
 class ClampedScale(nn.Module):
     """(x * scale) clamped below by a tensor and above by a scalar, then a classifier. With scale at 1 on the first
-    step, inputs equal to either bound are ties: torch gives x the whole gradient there (symbolics.clamp)."""
+    step, inputs equal to either bound are ties: torch gives x the whole gradient there (symbolics.elementwise.clamp)."""
 
     def __init__(self):
         super().__init__()
@@ -1081,7 +1081,7 @@ class PaddedPooling(nn.Module):
 def test_average_pool_with_ceil_mode_trains_evaluates_and_saves_as_torch(tmp_path, kernel, stride):
     """ONNX Runtime's AveragePool divides a partial ceil_mode window by the whole kernel (the eval graph and a
     saved model had other values than torch's; rewrites.torch_pools), and torch's pads for F.pad came as
-    a chain of ops after which shape inference knew no size (the pool was refused; symbolics._onnx_paddings)."""
+    a chain of ops after which shape inference knew no size (the pool was refused; symbolics.layers._onnx_paddings)."""
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1)
     model = PaddedPooling(kernel, stride)

@@ -167,7 +167,7 @@ def test_hugging_face_model(tmp_path, name):
 def test_causal_lm_trains_as_torch_on_left_padded_batches(tmp_path):
     """Left padding leaves the padding's queries no key under the causal mask: torch's attention gives
     them 0 and no gradient, where the exporter's softmax gave every weight a NaN gradient
-    (symbolics.scaled_dot_product_attention)."""
+    (symbolics.layers.scaled_dot_product_attention)."""
     pytest.importorskip("transformers", reason="the Hugging Face zoo needs transformers (the test extra)")
     torch.manual_seed(0)
     batches, eval_batch = _batches(zoo.left_padded_causal_lm_batch, HUGGING_FACE_SHAPES["tokens"])

@@ -325,7 +325,7 @@ def llama_lm():
 def cohere_lm():
     """Cohere (Command-R): Llama's layout with LayerNorm, parallel attention and MLP, and rotary positions interleaved by
     ``repeat_interleave(freqs, 2, dim=-1)``, whose torch symbolic turned the trace's shared -1 into 2 for the ops
-    after it (symbolics.repeat_interleave)."""
+    after it (symbolics.indexing.repeat_interleave)."""
     import transformers
 
     return transformers.CohereForCausalLM(transformers.CohereConfig(**_LLAMA_LIKE, logit_scale=0.5))
@@ -373,7 +373,7 @@ def bart_generator():
 
 def nllb_moe_generator():
     """NLLB-MoE: every second layer a mixture of 4 experts, 2 per token, whose outputs index_add_ sums back into the
-    tokens; a token sent to two experts is a repeated index, of which torch's exporter kept one (symbolics.index_add).
+    tokens; a token sent to two experts is a repeated index, of which torch's exporter kept one (symbolics.indexing.index_add).
     The capacities (64 tokens per expert in training, 4x the batch's tokens in eval) drop no token in either mode, so
     eval mode routes as the training graph does (the eval graph is the training trace, as in the legacy ORTTrainer)."""
     import transformers
