@@ -753,7 +753,9 @@ def _refuse_draws_outside_torch(before: tuple, model, call, inputs, devices) -> 
     drawn = _drawn_between(before, _states_outside_torch())
     if not drawn:
         return
-    locations = _draw_locations(call, inputs, devices) or ["(not found when forward ran again)"]
+    locations = _draw_locations(call, inputs, devices) or [
+        "no line drew when forward ran again under a tracer: the draw depends on something forward changed, or "
+        "another thread of the program drew from the generator during the export"]
     raise ExportError(
         f"{type(model).__name__}'s forward or loss draws from {' and '.join(drawn)} at:\n- " + "\n- ".join(locations)
         + "\nThe trace cannot see such a draw: it keeps the first draw as a constant, so every step would reuse it (a "

@@ -11,6 +11,7 @@ captured and restored by state.py.
 """
 
 import copy
+import difflib
 import functools
 import hashlib
 import inspect
@@ -75,6 +76,31 @@ def _check_constructor_arguments(model, model_desc, optim_config, loss_fn, optio
                                   "and pass loss_fn=None.")
     elif not isinstance(model, torch.nn.Module):
         raise _argument_error(ValueError, "'model' must be either 'torch.nn.Module' or 'onnx.ModelProto'", model, model_fix)
+    _check_weight_names(model, optim_config, options)
+
+
+def _check_weight_names(model, optim_config, options) -> None:
+    """Every weight a params group of ``optim_config`` or ``utils.frozen_weights`` names must be one of the model's
+    parameters (an ONNX model's initializers): a misspelled name would leave its weight trained with the defaults,
+    without a word."""
+    if isinstance(model, onnx.ModelProto):
+        known = [init.name for init in model.graph.initializer]
+    else:
+        known = [name for name, _ in model.named_parameters(remove_duplicate=False)]
+    named = [(f"optim_config.params[{index}]['params']", name)
+             for index, group in enumerate(optim_config.params) for name in group["params"]]  # fmt: skip
+    if options is not None:
+        named += [("options utils.frozen_weights", name) for name in options.utils.frozen_weights]
+    for where, name in named:
+        if name not in known:
+            close = difflib.get_close_matches(str(name), known, n=3)
+            hint = f"did you mean {' or '.join(map(repr, close))}?" if close else f"its parameters are {_first_names(known)}"
+            raise ValueError(f"{where} names {name!r}, which is not a parameter of {type(model).__name__}: {hint}")
+
+
+def _first_names(names, shown=6) -> str:
+    listed = ", ".join(map(repr, names[:shown]))
+    return f"{listed}, ... ({len(names)} in all)" if len(names) > shown else listed or "none"
 
 
 def _accepts_two_arguments(function) -> bool:

@@ -314,6 +314,32 @@ def test_extra_postprocess_is_called_on_the_exported_graph_and_its_result_checke
         trainer.train_step(*mlp_batch())
 
 
+@pytest.mark.parametrize("config, settings, message", [
+    (optim.AdamConfig(params=[{"params": ["fc1.weight", "fc2.wieght"], "lambda_coef": 0.1}]), {},
+     r"optim_config.params\[0\]\['params'\] names 'fc2.wieght', which is not a parameter of MLP: did you mean "
+     r"'fc2.weight'"),
+    (optim.SGDConfig(lr=0.1), {"utils": {"frozen_weights": ["fc1.bais"]}},
+     r"options utils.frozen_weights names 'fc1.bais', which is not a parameter of MLP: did you mean 'fc1.bias'"),
+    (optim.SGDConfig(lr=0.1), {"utils": {"frozen_weights": ["encoder.layer.0"]}},
+     r"names 'encoder.layer.0', which is not a parameter of MLP: its parameters are 'fc1.weight', 'fc1.bias'"),
+], ids=["group", "frozen", "nothing-near"])  # fmt: skip
+def test_weight_names_that_are_not_the_models_are_refused_at_construction(config, settings, message):
+    """A misspelled name in a parameter group or in utils.frozen_weights trained that weight with the defaults (or
+    not frozen), without a word; the legacy code let it go too."""
+    with pytest.raises(ValueError, match=message):
+        ORTTrainer(MLP(), None, config, loss_fn=F.cross_entropy, options=cpu_options(settings))
+
+
+def test_weight_names_of_an_onnx_model_are_its_initializers(tmp_path):
+    from models import WithLoss, training_onnx
+
+    proto = training_onnx(WithLoss(MLP()), mlp_batch(), tmp_path / "mlp.onnx")
+    frozen = [proto.graph.initializer[0].name]
+    ORTTrainer(proto, None, optim.SGDConfig(lr=0.1), options=cpu_options({"utils": {"frozen_weights": frozen}}))
+    with pytest.raises(ValueError, match=r"utils.frozen_weights names 'fc9.weight', which is not a parameter of ModelProto"):
+        ORTTrainer(proto, None, optim.SGDConfig(lr=0.1), options=cpu_options({"utils": {"frozen_weights": ["fc9.weight"]}}))
+
+
 def test_what_the_user_passed_in_is_never_changed(tmp_path):
     import copy
 

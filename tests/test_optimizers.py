@@ -107,9 +107,11 @@ def test_adam_mode_0_matches_torch_adamw():
 def test_param_groups_take_effect():
     params = [{"params": ["fc1.weight", "fc1.bias"], "alpha": 0.5, "lambda_coef": 0.2},
               {"params": ["head.weight"], "beta": 0.9, "epsilon": 1e-3}]
+    given = copy.deepcopy(params)
     config = optim.AdamConfig(params=params, lr=1e-2, lambda_coef=0.0, epsilon=EPSILON)
-    assert params[0]["lambda"] == 0.2 and "lambda_coef" not in params[0], "groups are completed in place"
-    assert params[1]["alpha"] == 0.9 and params[1]["lr"] == 1e-2
+    assert config.params[0]["lambda"] == 0.2 and "lambda_coef" not in config.params[0], "groups are completed"
+    assert config.params[1]["alpha"] == 0.9 and config.params[1]["lr"] == 1e-2
+    assert params == given, "the user's groups are never changed (the legacy code completed them in place)"
     # the reference applies alpha 0.5 / lambda 0.2 to fc1 and beta 0.9 / epsilon 1e-3 to head:
     # a trainer that ignored the groups would drift from it within a few steps
     train_against_reference("mlp", config, "adam", clip=False)

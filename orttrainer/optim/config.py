@@ -45,18 +45,19 @@ class _OptimizerConfig:
         _check_argument(defaults["lr"], _NUMBER, "'lr' must be a non-negative number",
                         "Pass a learning rate >= 0, e.g. lr=0.001.", _is_non_negative)
         _check_argument(params, list, "'params' must be a list of dicts", f"Pass params=[] or {_GROUPS_EXAMPLE}.")
+        completed = []  # the user's groups are never changed
         for index, group in enumerate(params):
             _check_argument(group, dict, f"params[{index}] must be a dict with 'params' and at least one hyper-parameter",
                             f"Write each group like {_GROUPS_EXAMPLE}.", lambda value: len(value) > 1 and "params" in value)
+            _check_argument(group["params"], list, f"params[{index}]['params'] must be a list of weight names",
+                            f"Write each group like {_GROUPS_EXAMPLE}.", lambda value: all(isinstance(item, str) for item in value))
             _check_group_keys(group, index, name, [key for key in defaults if key != "lr" or self._GROUPS_MAY_SET_LR])
-            if "lambda_coef" in group:
-                group["lambda"] = group.pop("lambda_coef")
-            for key, value in defaults.items():
-                group.setdefault(key, value)
+            group = {("lambda" if key == "lambda_coef" else key): value for key, value in group.items()}
+            completed.append({**defaults, **group})
         self.name = name
         self.lr = float(defaults["lr"])
         self.defaults = defaults
-        self.params = params
+        self.params = completed
 
     def hyper_parameters(self, weight_name):
         """The hyper-parameters for one weight: its first group's, else the defaults."""
