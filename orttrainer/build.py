@@ -373,7 +373,8 @@ def _trainable(module, onnx_model, loss_name, options, facts) -> list:
     """The parameters with requires_grad (and not in utils.frozen_weights) that reach the loss; the
     graph's other weights and buffers are bound without a gradient."""
     initializers = {init.name for init in onnx_model.graph.initializer}
-    frozen_names = set(options.utils.frozen_weights)
+    aliases = _aliases(module)  # a tied weight frozen by any of its names
+    frozen_names = {aliases.get(name, name) for name in options.utils.frozen_weights}
     requires_grad = [
         name
         for name, parameter in module.named_parameters()

@@ -86,10 +86,14 @@ def sample_outputs(model, loss_fn, forward_names, inputs, constants=None):
     """
     wrapper = with_loss(model, loss_fn, forward_names, constants)
     attributes = {layer: _attributes_of(layer) for layer in model.modules()}  # the training flags among them
+    tensors = _module_state(wrapper, attributes=False)
     model.eval()
     try:
         with torch.no_grad(), _DifferentiationRefused():
-            return wrapper(*inputs), wrapper.form
+            outputs = wrapper(*inputs)
+        # a clamp makes its change at the first run only; in-place ops the version counter sees the export names
+        _refuse_state_changes(tensors, model, wrapper, unseen_only=True)
+        return outputs, wrapper.form
     finally:
         _restore_attributes(attributes)
 
@@ -765,6 +769,94 @@ def _refuse_draws_outside_torch(before: tuple, model, call, inputs, devices) -> 
     )
 
 
+# Attributes every torch module has: torch's bookkeeping, which forward does not change as state of its own.
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+
+
+@dataclass(frozen=True)
+class _Fingerprint:
+    """A tensor as forward may change it: reassigned (``identity``), given other storage, changed through ``.data``
+    (which the version counter does not see: ``byte_sum``) or in place (``version``)."""
+
+    identity: int
+    data_pointer: int
+    byte_sum: int
+    version: int
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "_Fingerprint":
+        data = tensor.detach()
+        byte_sum = int(data.contiguous().reshape(-1).view(torch.uint8).sum(dtype=torch.int64))
+        return cls(id(tensor), data.data_ptr(), byte_sum, tensor._version)
+
+    def changed_unseen(self, now: "_Fingerprint") -> bool:
+        """Changed where the version counter did not count it (in-place ops count; the exporter names those)."""
+        return now != self and now.version == self.version
+
+
+def _comparable(value) -> bool:
+    """Whether a change of ``value`` can be judged: Python numbers, strings, None, and tuples of them."""
+    if isinstance(value, tuple):
+        return all(map(_comparable, value))
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _module_state(wrapper: torch.nn.Module, attributes=True) -> dict:
+    """{(kind, qualified name): fingerprint} of what a forward could change in its modules (and in a loss that is
+    a module) without the trace recording it: parameters, buffers, and with ``attributes`` tensor and Python
+    attributes. BatchNorm's running statistics are left out: the graph updates them as torch does."""
+    state = {}
+    for path, layer in wrapper.named_modules():
+        prefix = "" if path in ("", "model") else path.removeprefix(_WRAPPED) + "."
+        tracked = not isinstance(layer, torch.nn.modules.batchnorm._BatchNorm)
+        for name, value in vars(layer).items() if attributes and path else ():
+            if name in _MODULE_INTERNALS:
+                continue
+            if isinstance(value, torch.Tensor):
+                state[("tensor attribute", prefix + name)] = _Fingerprint.of(value)
+            elif _comparable(value):
+                state[("attribute", prefix + name)] = value
+        for kind, tensors in (("buffer", layer._buffers if tracked else {}), ("parameter", layer._parameters)):
+            for name, tensor in tensors.items():
+                if tensor is not None:
+                    state[(kind, prefix + name)] = _Fingerprint.of(tensor)
+    return state
+
+
+def _state_changes(before: dict, wrapper: torch.nn.Module, unseen_only: bool) -> list:
+    """What forward changed of ``before`` (``_module_state``), one line each; with ``unseen_only`` only tensors changed
+    where their version counter did not count it."""
+    after = _module_state(wrapper, attributes=any(kind.endswith("attribute") for kind, _ in before))
+    changes = []
+    for (kind, name), value in before.items():
+        now = after.get((kind, name), _ABSENT)
+        if now is _ABSENT or now == value or (unseen_only and not value.changed_unseen(now)):
+            continue
+        if kind == "attribute":
+            changes.append(f"attribute '{name}': {value!r} -> {now!r}")
+        elif kind == "parameter":
+            changes.append(f"parameter '{name}': its values changed in forward (a .data update, F.embedding's max_norm "
+                           "renormalising rows)")
+        else:
+            changes.append(f"{kind} '{name}': reassigned or changed through .data")
+    return changes
+
+
+def _refuse_state_changes(before: dict, model, wrapper, unseen_only=False) -> None:
+    """Refuses a forward that changed its modules' state in a way the graph cannot: torch carries the change into
+    the next step (a counter that later takes a branch, a buffer's running value, a clamped weight), the graph
+    starts every step from the state it was traced with. ``unseen_only``: see ``_state_changes``."""
+    changes = _state_changes(before, wrapper, unseen_only)
+    if changes:
+        raise ExportError(
+            f"{type(model).__name__}'s forward or loss changes its own state, which the graph cannot: torch would carry "
+            "the change into the next step, the graph starts every step from the state of the first:\n- "
+            + "\n- ".join(changes)
+            + "\nKeep such state out of forward (update it in the training loop, between steps), or train this model "
+            "with torch."
+        )
+
+
 def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outputs, opset: int, with_weights=True,
                    constants=None):  # fmt: skip
     """Export ``model`` (+ ``loss_fn``) in the modes it trains in, names and dynamic axes from model_desc.
@@ -780,7 +872,7 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
     wrapper = with_loss(model, loss_fn, forward_names, constants)
     buffer = io.BytesIO()
     devices = [inputs[0].device.index or 0] if inputs and inputs[0].is_cuda else []
-    states_before = _states_outside_torch()
+    states_before, module_state_before = _states_outside_torch(), _module_state(wrapper)
     try:
         values = _ValuesTurnedPython()
         inputs_by_name = {name: tensor for (name, _), tensor in zip(desc_inputs, inputs)}
@@ -814,6 +906,7 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
     if mismatch:
         raise mismatch
     _refuse_draws_outside_torch(states_before, model, wrapper, inputs, devices)
+    _refuse_state_changes(module_state_before, model, wrapper)
     exported = onnx.load_from_string(buffer.getvalue())
     _strip_wrapper_prefix(exported)
     lookups = resolve_markers(exported)

@@ -198,7 +198,8 @@ class ORTTrainer:
         if self._data_parallel is not None:
             self._seed = distributed.gather_objects(self._world, self._seed)[0]  # rank 0's, as a checkpoint keeps it
         gradients = Gradients(runtime)
-        optimizer = _update.make_optimizer(self.optim_config, {name: runtime.weights[name] for name in runtime.owned},
+        optimizer = _update.make_optimizer(self.optim_config.naming_tied_weights(runtime.aliases),
+                                           {name: runtime.weights[name] for name in runtime.owned},
                                            self.options.utils.grad_norm_clip)  # fmt: skip
         self._runtime, self._gradients, self._optimizer = runtime, gradients, optimizer
         self.model_desc = runtime.model_desc if self._graphs is None else self._graphs.model_desc

@@ -5,9 +5,10 @@ import copy
 import numpy as np
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from models import MLP, Encoder, lm_loss, mlp_batch, token_batch
-from parity import cpu_options
+from parity import cpu_options, run_parity
 from reference_optim import ReferenceOptimizer, legacy_hyper_parameters
 
 from orttrainer import ORTTrainer, optim
@@ -115,6 +116,47 @@ def test_param_groups_take_effect():
     # the reference applies alpha 0.5 / lambda 0.2 to fc1 and beta 0.9 / epsilon 1e-3 to head:
     # a trainer that ignored the groups would drift from it within a few steps
     train_against_reference("mlp", config, "adam", clip=False)
+
+
+class TiedLM(nn.Module):
+    """A language model whose head is its embedding (head.weight is emb.weight), as GPT-2's."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mix, self.head = nn.Embedding(12, 6), nn.Linear(6, 6), nn.Linear(6, 12, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.mix(self.emb(tokens))))
+
+
+def _tied_lm_loss(logits, labels):
+    return F.cross_entropy(logits.reshape(-1, 12), labels.reshape(-1))
+
+
+def _tied_lm_batches(count=3):
+    generator = torch.Generator().manual_seed(0)
+    return [(torch.randint(0, 12, (3, 5), generator=generator), torch.randint(0, 12, (3, 5), generator=generator))
+            for _ in range(count)]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["emb.weight", "head.weight"])
+def test_a_tied_weight_is_frozen_and_grouped_by_either_of_its_names(name):
+    """The trainer keeps a tied weight under its first name (emb.weight); named by the other, it was trained although
+    frozen, and a group naming it did not apply, without a word."""
+    torch.manual_seed(0)
+    run_parity(TiedLM(), _tied_lm_batches(), optim.SGDConfig(lr=0.1), lambda params: torch.optim.SGD(list(params)[1:], lr=0.1),
+               loss_fn=_tied_lm_loss, options=cpu_options({"utils": {"frozen_weights": [name]}}))  # fmt: skip
+    torch.manual_seed(0)
+    config = optim.AdamConfig(params=[{"params": [name], "lambda_coef": 0.5}], lr=1e-2, epsilon=EPSILON)
+
+    def adamw(params):
+        tied, *others = params
+        return torch.optim.AdamW([{"params": [tied], "weight_decay": 0.5}, {"params": others, "weight_decay": 0.0}],
+                                 lr=1e-2, eps=EPSILON)  # fmt: skip
+
+    run_parity(TiedLM(), _tied_lm_batches(), config, adamw, loss_fn=_tied_lm_loss,
+               options=cpu_options({"utils": {"grad_norm_clip": False}}))
 
 
 def test_lamb_param_groups_take_effect():

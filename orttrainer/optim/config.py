@@ -1,11 +1,12 @@
 """Optimizer configurations (legacy ``optim.config`` semantics).
 
 A config names the optimizer, its default hyper-parameters and optional parameter
-groups. Groups are completed in place with every default (``lambda_coef`` is stored as
-``lambda``), exactly as the legacy ORTTrainer did; there is one learning rate for all
-weights.
+groups. Its ``params`` holds the groups completed with every default (``lambda_coef`` stored
+as ``lambda``), as the legacy ORTTrainer's did, but as copies: the legacy code completed the
+caller's dicts in place. There is one learning rate for all weights.
 """
 
+import copy
 from enum import IntEnum
 from math import inf
 
@@ -58,6 +59,14 @@ class _OptimizerConfig:
         self.lr = float(defaults["lr"])
         self.defaults = defaults
         self.params = completed
+
+    def naming_tied_weights(self, aliases: dict):
+        """A copy whose groups also name each tied weight by the name the trainer keeps it under (``aliases``:
+        {alias: first name}, the module's state_dict order), so that a group naming either name applies."""
+        tied = copy.copy(self)
+        tied.params = [{**group, "params": group["params"] + [aliases[name] for name in group["params"] if name in aliases]}
+                       for group in self.params]  # fmt: skip
+        return tied
 
     def hyper_parameters(self, weight_name):
         """The hyper-parameters for one weight: its first group's, else the defaults."""
