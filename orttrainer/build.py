@@ -334,6 +334,11 @@ def _loss_index(model_desc, outputs, loss_fn, inferred: bool) -> int:
     """Where the loss is among the sample outputs; it must be a floating-point scalar."""
     loss_output = model_desc.loss_output
     loss_index = [entry.name for entry in model_desc.outputs].index(loss_output.name)
+    if loss_fn is not None and loss_index != 0:
+        raise ValueError(
+            f"with a loss_fn the loss is the first output (loss_fn's result, then the model's outputs), but model_desc "
+            f"lists '{loss_output.name}' at position {loss_index} of its outputs: list it first"
+        )
     if len(outputs) != len(model_desc.outputs):
         raise ValueError(
             f"model_desc lists {len(model_desc.outputs)} outputs but the model"
@@ -525,7 +530,7 @@ def _open_sessions(graphs, device, providers, options, one_thread: bool, convolu
         train = open_graph(graphs.train, debug.graph_save_paths.model_with_training_graph_after_optimization_path)
         return train, open_graph(graphs.eval)
     except onnxruntime.capi.onnxruntime_pybind11_state.NotImplemented as error:
-        raise graph.missing_kernel_error(error, device) from error
+        raise graph.missing_kernel_error(error, device, graphs.train) from error
 
 
 def _record_input_types(model_desc, eval_model) -> None:

@@ -62,8 +62,8 @@ class _ModelWithLoss(torch.nn.Module):
         loss = None
         if self.loss_fn is not None:
             given = outputs
-            if isinstance(outputs, (tuple, list)):  # a 1-tuple is passed as its tensor
-                given = outputs[0] if len(outputs) == 1 else tuple(outputs)
+            if isinstance(outputs, (tuple, list)):  # a 1-tuple is passed as its tensor, a namedtuple as itself
+                given = outputs[0] if len(outputs) == 1 else outputs if isinstance(outputs, tuple) else tuple(outputs)
             loss = self.loss_fn(given, inputs[-1])
         tensors, self.form = model_outputs.flatten(outputs, type(self.model).__name__, loss)
         return tuple(tensors)
@@ -179,6 +179,7 @@ def refuse_weight_dtypes(model: torch.nn.Module) -> None:
 def refuse_untrainable_modules(model: torch.nn.Module) -> None:
     """Refuse, by inspecting the module, what the ONNX graph would silently drop."""
     problems = [f"{owner}: ONNX Runtime computes the gradients, so it would never run" for owner in _backward_hook_owners(model)]
+    scripted = []  # path prefixes of the torch.jit.script modules found
     for path, layer in model.named_modules():
         if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm) and layer.track_running_stats and layer.momentum is None:
             raise NotImplementedError(
@@ -189,6 +190,17 @@ def refuse_untrainable_modules(model: torch.nn.Module) -> None:
                 f"module '{path}' ({type(layer).__name__}) has max_norm={layer.max_norm}: torch renormalises rows in place "
                 "during forward, which an ONNX graph cannot do; remove max_norm (or renormalise the weight yourself "
                 "between steps)"
+            )
+        if isinstance(layer, torch.jit.ScriptModule) and not any(path.startswith(outer) for outer in scripted):
+            scripted.append(f"{path}." if path else "")  # its submodules are scripted with it
+            problems.append(
+                f"module '{path or getattr(layer, 'original_name', 'model')}' is a torch.jit.script module, which torch's exporter cannot "
+                "trace as part of a model: give the trainer the plain module (before torch.jit.script)"
+            )
+        if isinstance(layer, torch.nn.modules.lazy.LazyModuleMixin) and layer.has_uninitialized_params():
+            problems.append(
+                f"module '{path}' ({type(layer).__name__}) creates its parameters at its first forward: run the model once "
+                "on a batch before creating the trainer, so that the trainer starts from your module's weights"
             )
         if _spectral_norm_updates(layer):
             owner = path.rsplit("parametrizations.", 1)[0].rstrip(".") if isinstance(layer, _SpectralNorm) else path
@@ -312,7 +324,8 @@ def refuse_custom_backward(module, loss_fn, forward_names, inputs, loss_index: i
     (a straight-through estimator, a gradient reversal) would be replaced by the
     gradient of those ops; a hook registered on a tensor inside forward would never run.
     """
-    state = {name: tensor.clone() for name, tensor in module.state_dict().items()}
+    tensors = [*module.parameters(), *module.buffers()]  # not state_dict(): its hooks may add or drop entries
+    saved = [tensor.detach().clone() for tensor in tensors]
     wrapper = with_loss(module, loss_fn, forward_names, constants)
     try:
         with torch.enable_grad(), keeping_no_activations(), _HookAndFunctionSpy() as spy:
@@ -320,7 +333,9 @@ def refuse_custom_backward(module, loss_fn, forward_names, inputs, loss_index: i
         loss = (list(outputs) if isinstance(outputs, (tuple, list)) else [outputs])[loss_index]
         functions = _custom_functions(loss) if isinstance(loss, torch.Tensor) else []
     finally:
-        module.load_state_dict(state)  # forward in train mode moved BatchNorm statistics
+        with torch.no_grad():  # forward in train mode moved BatchNorm statistics
+            for tensor, value in zip(tensors, saved):
+                tensor.copy_(value)
     problems = [f"tensor.register_hook at {where}: ONNX Runtime computes the gradients, so the hook would never run"
                 for where in spy.hooks]  # fmt: skip
     problems += [f"custom torch.autograd.Function {name}: its backward would be replaced by the gradient of the ops "
@@ -802,21 +817,27 @@ def _comparable(value) -> bool:
 
 
 def _module_state(wrapper: torch.nn.Module, attributes=True) -> dict:
-    """{(kind, qualified name): fingerprint} of what a forward could change in its modules (and in a loss that is
-    a module) without the trace recording it: parameters, buffers, and with ``attributes`` tensor and Python
-    attributes. BatchNorm's running statistics are left out: the graph updates them as torch does."""
+    """{(kind, qualified name): fingerprint} of what a forward could change in its modules (and in the loss, a module
+    or an object with state of its own) without the trace recording it: parameters, buffers, and with ``attributes``
+    tensor and Python attributes. BatchNorm's running statistics are left out: the graph updates them as torch does."""
     state = {}
-    for path, layer in wrapper.named_modules():
-        prefix = "" if path in ("", "model") else path.removeprefix(_WRAPPED) + "."
-        tracked = not isinstance(layer, torch.nn.modules.batchnorm._BatchNorm)
-        for name, value in vars(layer).items() if attributes and path else ():
+    owners = [(path, layer) for path, layer in wrapper.named_modules() if path]
+    loss_owner = getattr(wrapper.loss_fn, "__self__", wrapper.loss_fn)  # a bound method's object
+    if not isinstance(loss_owner, torch.nn.Module) and hasattr(loss_owner, "__dict__"):  # a function's is its attributes
+        owners.append(("loss_fn", loss_owner))
+    for path, owner in owners:
+        prefix = "" if path == "model" else path.removeprefix(_WRAPPED) + "."
+        for name, value in vars(owner).items() if attributes else ():
             if name in _MODULE_INTERNALS:
                 continue
             if isinstance(value, torch.Tensor):
                 state[("tensor attribute", prefix + name)] = _Fingerprint.of(value)
             elif _comparable(value):
                 state[("attribute", prefix + name)] = value
-        for kind, tensors in (("buffer", layer._buffers if tracked else {}), ("parameter", layer._parameters)):
+        if not isinstance(owner, torch.nn.Module):
+            continue
+        tracked = not isinstance(owner, torch.nn.modules.batchnorm._BatchNorm)
+        for kind, tensors in (("buffer", owner._buffers if tracked else {}), ("parameter", owner._parameters)):
             for name, tensor in tensors.items():
                 if tensor is not None:
                     state[(kind, prefix + name)] = _Fingerprint.of(tensor)
@@ -923,6 +944,9 @@ def _known_fix(model, message: str) -> str:
         return (". transformers' mixture-of-experts layers count each expert's tokens with torch.histc in their default "
                 "experts implementation, which does not export: call model.set_experts_implementation('batched_mm') "
                 "before creating the trainer (the same experts, computed for every token and weighted by the routing)")
+    if "unordered_map::at" in message:
+        return (". torch's exporter fails this way on torch.utils.checkpoint(..., use_reentrant=True) in forward: pass "
+                "use_reentrant=False (the gradients are the same; orttrainer trains the forward as if not checkpointed)")
     if "vector::_M_range_check" in message and any(isinstance(layer, torch.nn.RNNBase) for layer in model.modules()):
         return (". torch's exporter fails this way on nn.utils.rnn.pack_padded_sequence (a PackedSequence given to an "
                 "LSTM, GRU or RNN): give the layer the padded batch instead and read each sequence's output at its last "

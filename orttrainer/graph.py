@@ -631,16 +631,21 @@ def _builder_error(error: Exception, graph: onnx.GraphProto) -> GradientBuildErr
     return GradientBuildError(f"building the gradient graph failed: {error}")
 
 
-def missing_kernel_error(error: Exception, device) -> GradientBuildError:
-    """ONNX Runtime found no kernel for a (gradient) node on this device: say which op and module."""
+def missing_kernel_error(error: Exception, device, model: onnx.ModelProto) -> GradientBuildError:
+    """ONNX Runtime found no kernel for a (gradient) node of ``model`` on this device: say which op and module, and
+    whether the graph casts to bfloat16 (torch.autocast inside forward)."""
     found = re.search(r"implementation for (\S+)\(\d+\) node with name '([^']*)'", str(error))
     if not found:
         return GradientBuildError(f"ONNX Runtime cannot run the training graph on {device}: {error}")
     op_type, node_name = found.groups()
     where = module_path(node_name.split("_Grad/")[0])  # '/model/layer/Op_Grad/OpGrad_0' -> the forward node
+    bfloat16 = any(node.op_type == "Cast" and rewrites.node_attribute(node, "to") == onnx.TensorProto.BFLOAT16
+                   for node in model.graph.node)  # fmt: skip
     return GradientBuildError(
         f"ONNX Runtime has no {device.type.upper()} kernel for {op_type} (node '{node_name}'"
         + (f", module '{where}')" if where else ")")
+        + ("; the graph casts to bfloat16 (torch.autocast inside forward?), for which ONNX Runtime has few kernels: "
+           "compute in float32, or use the option mixed_precision.enabled (float16)" if bfloat16 else "")
     )
 
 

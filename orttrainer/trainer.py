@@ -137,6 +137,7 @@ class ORTTrainer:
         self._providers = session.device_providers(self._device, self.options.device.mem_limit, self.options.provider_options)
         self._train_step_info = TrainStepInfo(optim_config)
         self._torch_model = model if isinstance(model, torch.nn.Module) else None
+        self._requires_grad = None  # the torch model's requires_grad flags at the build (_refuse_changed_trainability)
         self._runtime = self._gradients = self._optimizer = None  # set by the build
         self._load_state_dict = None  # a state_dict loaded before the build, which applies it
         self._seed = torch.initial_seed() % (1 << 63)
@@ -197,6 +198,8 @@ class ORTTrainer:
         apply a state_dict loaded before the build."""
         if self._data_parallel is not None:
             self._seed = distributed.gather_objects(self._world, self._seed)[0]  # rank 0's, as a checkpoint keeps it
+        if self._torch_model is not None and self._runtime is None:  # the weights the graphs were built to train
+            self._requires_grad = [parameter.requires_grad for parameter in self._torch_model.parameters()]
         gradients = Gradients(runtime)
         optimizer = _update.make_optimizer(self.optim_config.naming_tied_weights(runtime.aliases),
                                            {name: runtime.weights[name] for name in runtime.owned},
@@ -213,6 +216,7 @@ class ORTTrainer:
         Returns the outputs in model_desc order (or ``fetches`` order), one tensor bare.
         """
         inputs = self._ensure_initialized(args, kwargs)
+        self._refuse_changed_trainability()
         requested = self._requested_outputs()
         if self._runtime.reference is not None:
             self._check_against_torch(inputs)
@@ -232,6 +236,23 @@ class ORTTrainer:
         if info.step % accumulation == 0 and self._update_weights(lr, accumulation):
             info.optimization_step += 1
         return self._select_outputs(outputs, requested)
+
+    def _refuse_changed_trainability(self) -> None:
+        """The user's module must still have requires_grad where it had it when the graphs were built (its first
+        step): the graphs train the weights chosen then, and would go on training one frozen since, or leave one
+        unfrozen since as it was, without a word."""
+        if self._torch_model is None:
+            return
+        now = [parameter.requires_grad for parameter in self._torch_model.parameters()]
+        if now == self._requires_grad:
+            return
+        changed = [f"'{name}' ({before} -> {after})" for (name, _), before, after
+                   in zip(self._torch_model.named_parameters(), self._requires_grad, now) if before != after]  # fmt: skip
+        raise ValueError(
+            f"requires_grad of {', '.join(changed) or 'the module parameters'} changed since the trainer's first step, which "
+            "chose the weights its graphs train: freeze weights when creating the trainer (requires_grad or options "
+            "utils.frozen_weights), or create a new trainer to train others"
+        )
 
     def _run_training_graph(self, inputs, gradient_buffers):
         """Forward + backward of this batch, gradients into ``gradient_buffers``, BatchNorm statistics

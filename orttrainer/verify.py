@@ -115,10 +115,7 @@ def torch_step(module, loss_fn, forward_names, inputs, weights: dict, output_nam
             "change what ONNX Runtime computes: train without it, or set debug.check_against_torch to 'off'"
         ) from error
     parameters = dict(module.named_parameters())
-    gradients = {
-        name: parameters[name].grad if parameters[name].grad is not None else torch.zeros_like(parameters[name])
-        for name in trained
-    }
+    gradients = {name: _dense_gradient(parameters[name]) for name in trained}
     buffers = {name: tensor.detach().clone() for name, tensor in module.named_buffers() if name in weights}
     return StepResult(dict(zip(output_names, (out.detach() for out in outputs))), gradients, buffers)
 
@@ -134,6 +131,14 @@ def torch_eval(module, loss_fn, forward_names, inputs, weights: dict, output_nam
         outputs = wrapper(*[tensor.cpu() for tensor in inputs])
     outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
     return StepResult(dict(zip(output_names, (out.detach() for out in outputs))), {})
+
+
+def _dense_gradient(parameter: torch.Tensor) -> torch.Tensor:
+    """The gradient torch gave ``parameter`` as a dense tensor: zeros where it gave none, an embedding's sparse
+    gradient (``sparse=True``) filled in."""
+    if parameter.grad is None:
+        return torch.zeros_like(parameter)
+    return parameter.grad.to_dense() if parameter.grad.is_sparse else parameter.grad
 
 
 def _without_activation_checkpointing(module) -> None:

@@ -6,9 +6,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from models import MLP, CNN, cnn_batch, mlp_batch
-from parity import cpu_options
+from parity import cpu_options, run_parity
 
 from orttrainer import GradientBuildError, ORTTrainer, ORTTrainerOptions, RunError, optim
+from orttrainer.export import ExportError
 
 MLP_DESC = {"inputs": [("x", ["batch", 32]), ("label", ["batch"])], "outputs": [("loss", [], True), ("logits", ["batch", 10])]}
 
@@ -338,6 +339,70 @@ def test_weight_names_of_an_onnx_model_are_its_initializers(tmp_path):
     ORTTrainer(proto, None, optim.SGDConfig(lr=0.1), options=cpu_options({"utils": {"frozen_weights": frozen}}))
     with pytest.raises(ValueError, match=r"utils.frozen_weights names 'fc9.weight', which is not a parameter of ModelProto"):
         ORTTrainer(proto, None, optim.SGDConfig(lr=0.1), options=cpu_options({"utils": {"frozen_weights": ["fc9.weight"]}}))
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant=True):
+        super().__init__()
+        self.fc, self.out, self.reentrant = nn.Linear(32, 32), nn.Linear(32, 10), reentrant
+
+    def forward(self, x):
+        return self.out(torch.utils.checkpoint.checkpoint(lambda h: torch.tanh(self.fc(h)), x, use_reentrant=self.reentrant))
+
+
+class AutocastInForward(MLP):
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hidden = self.fc1(x)
+        return self.head(F.gelu(self.fc2(torch.relu(hidden.float()))))
+
+
+class Lazy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.out = nn.LazyLinear(16), nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.fc(x)))
+
+
+def _scripted_mlp(whole):
+    model = MLP()
+    if whole:
+        return torch.jit.script(model)
+    model.fc2 = torch.jit.script(model.fc2)
+    return model
+
+
+@pytest.mark.parametrize("make, error, message", [
+    (Checkpointed, ExportError, r"unordered_map::at\. torch's exporter fails this way on "
+                                r"torch.utils.checkpoint\(\.\.\., use_reentrant=True\).*pass use_reentrant=False"),
+    (AutocastInForward, GradientBuildError, r"no CPU kernel for Gemm .*module 'fc1'\); the graph casts to bfloat16 "
+                                            r"\(torch.autocast inside forward\?\)"),
+    (Lazy, ExportError, r"module 'fc' \(LazyLinear\) creates its parameters at its first forward: run the model once"),
+    (lambda: _scripted_mlp(whole=False), ExportError, r"module 'fc2' is a torch.jit.script module"),
+    (lambda: _scripted_mlp(whole=True), ExportError, r"module 'MLP' is a torch.jit.script module"),
+], ids=["reentrant-checkpoint", "bfloat16-autocast", "lazy-module", "scripted-submodule", "scripted-model"])  # fmt: skip
+def test_modules_the_exporter_or_runtime_fail_on_are_refused_saying_what_to_change(make, error, message):
+    trainer = ORTTrainer(make(), None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
+    with pytest.raises(error, match=message):
+        trainer.train_step(*mlp_batch())
+
+
+def test_checkpoint_without_reentrance_trains_like_torch():
+    """The fix the reentrant checkpoint's refusal names."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    run_parity(Checkpointed(reentrant=False), [mlp_batch(generator=generator) for _ in range(3)], optim.SGDConfig(lr=0.1),
+               lambda parameters: torch.optim.SGD(parameters, lr=0.1), loss_fn=F.cross_entropy)  # fmt: skip
+
+
+def test_a_loss_listed_after_other_outputs_with_a_loss_fn_is_refused_saying_to_list_it_first():
+    desc = {"inputs": [("x", ["batch", 32]), ("label", ["batch"])], "outputs": [("logits", ["batch", 10]), ("loss", [], True)]}
+    trainer = ORTTrainer(MLP(), desc, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
+    with pytest.raises(ValueError, match=r"with a loss_fn the loss is the first output .* model_desc lists 'loss' at "
+                                         r"position 1 of its outputs: list it first"):  # fmt: skip
+        trainer.train_step(*mlp_batch())
 
 
 def test_what_the_user_passed_in_is_never_changed(tmp_path):

@@ -1,6 +1,7 @@
 """Models from ordinary PyTorch code train exactly as torch trains them, or are refused with a
 clear error before training: never silently different. Each case goes through the public API."""
 
+import collections
 import copy
 import functools
 import math
@@ -446,12 +447,93 @@ def test_python_branch_on_a_random_draw_is_refused_naming_the_line():
         trainer.train_step(torch.randn(3, 4), torch.randn(3, 4))
 
 
-class LayerDropDrawnWithPython(nn.Module):
-    """LayerDrop as transformers drew it before torch.rand (``random.uniform(0, 1) < layerdrop``)."""
+Scores = collections.namedtuple("Scores", ["logits", "hidden"])
+
+
+class ReturnsNamedTuple(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.hidden, self.out = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        hidden = torch.tanh(self.hidden(x))
+        return Scores(self.out(hidden), hidden)
+
+
+class SparseTagger(Tagger):
+    """Tagger whose embedding gives sparse gradients (nn.Embedding(sparse=True)), as torch's SGD takes them."""
 
     def __init__(self):
         super().__init__()
-        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.tokens = nn.Embedding(20, 8, padding_idx=0, sparse=True)
+
+
+class StateDictWithExtraEntry(nn.Module):
+    """A module whose state_dict hook adds an entry (a version tag), which its load_state_dict does not take."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self._register_state_dict_hook(lambda module, state, prefix, local: state.update({prefix + "version": torch.ones(1)}))
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def _random_pairs(inputs, outputs, count=3):
+    generator = torch.Generator().manual_seed(0)
+    return [(torch.randn(4, inputs, generator=generator), torch.randn(4, outputs, generator=generator)) for _ in range(count)]
+
+
+@pytest.mark.parametrize("case", ["namedtuple-output", "sparse-embedding", "state-dict-hook"])
+def test_modules_that_were_refused_without_a_cause_train_like_torch(case):
+    """A namedtuple output reached the loss as a plain tuple (out.logits failed), the first-step check could not compare
+    an embedding's sparse gradient, and a check's reset of the module went through its load_state_dict, which refused
+    the entry its own state_dict hook adds."""
+    torch.manual_seed(0)
+    if case == "namedtuple-output":
+        run_parity(ReturnsNamedTuple(), _random_pairs(4, 3), optim.SGDConfig(lr=0.1), sgd,
+                   loss_fn=lambda scores, label: F.mse_loss(scores.logits, label))  # fmt: skip
+    elif case == "sparse-embedding":
+        run_parity(SparseTagger(), token_batches(), optim.SGDConfig(lr=0.1), sgd, loss_fn=tagger_loss)
+    else:
+        trainer = ORTTrainer(StateDictWithExtraEntry(), None, optim.SGDConfig(lr=0.1), loss_fn=F.mse_loss,
+                             options=cpu_options())  # fmt: skip
+        reference = copy.deepcopy(trainer._torch_model)
+        for x, label in _random_pairs(4, 3):
+            loss = trainer.train_step(x, label)[0]
+            torch.testing.assert_close(loss, F.mse_loss(reference(x), label))
+            reference.zero_grad()
+            F.mse_loss(reference(x), label).backward()
+            with torch.no_grad():
+                for parameter in reference.parameters():
+                    parameter -= 0.1 * parameter.grad
+        trained = trainer.state_dict(pytorch_format=True)
+        for name, parameter in reference.named_parameters():
+            torch.testing.assert_close(trained[name], parameter.detach(), atol=1e-6, rtol=1e-5)
+
+
+def _soft_labels(labels):
+    return F.softmax(F.one_hot(labels, 20).float() * 3.0, dim=-1)
+
+
+@pytest.mark.parametrize("loss_fn", [
+    lambda logits, labels: F.cross_entropy(logits.reshape(-1, 20), labels.reshape(-1), label_smoothing=0.1),
+    lambda logits, labels: F.cross_entropy(logits.reshape(-1, 20), _soft_labels(labels).reshape(-1, 20)),
+    lambda logits, labels: F.cross_entropy(logits.reshape(-1, 20), _soft_labels(labels).reshape(-1, 20), label_smoothing=0.2),
+    lambda logits, labels: F.cross_entropy(logits.reshape(-1, 20), labels.reshape(-1), weight=torch.linspace(0.5, 1.5, 20),
+                                           label_smoothing=0.1),
+], ids=["indices-smoothed", "probabilities", "probabilities-smoothed", "weighted-smoothed"])  # fmt: skip
+def test_cross_entropy_over_logits_reshaped_to_classes_trains_like_torch(loss_fn):
+    """``logits.view(-1, vocab)``, the usual form of a language model's loss: under a dynamic batch the trace knows
+    no class count after the reshape, and label smoothing and class probabilities, whose formulas divide by it,
+    were refused; the count is now read in the run."""
+    torch.manual_seed(0)
+    run_parity(Tagger(), token_batches(), optim.SGDConfig(lr=0.1), sgd, loss_fn=loss_fn)
+
+
+class LayerDropDrawnWithPython(LayerDrop):
+    """LayerDrop as transformers drew it before torch.rand (``random.uniform(0, 1) < layerdrop``)."""
 
     def forward(self, x):
         x = torch.relu(self.first(x))
@@ -540,12 +622,52 @@ def test_forward_that_changes_its_own_state_is_refused_naming_what_changed(chang
         trainer.train_step(torch.randn(3, 4), torch.randn(3, 4))
 
 
+class GrowingLoss:
+    """A loss whose weight grows with its calls (a warm-up kept in the loss object)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, output, label):
+        self.calls += 1
+        return F.mse_loss(output, label) * min(self.calls, 3)
+
+
+def test_a_loss_object_that_changes_its_own_state_is_refused_naming_it():
+    """The trace froze the weight of the trainer's own calls (3 at the trace), torch's loop used 1, 2, 3."""
+    trainer = ORTTrainer(nn.Linear(4, 4), None, optim.SGDConfig(lr=0.1), loss_fn=GrowingLoss(), options=cpu_options())
+    with pytest.raises(ExportError, match=r"(?s)changes its own state.*- attribute 'loss_fn.calls': \d+ -> \d+"):
+        trainer.train_step(torch.randn(3, 4), torch.randn(3, 4))
+
+
 def test_forward_that_sets_an_attribute_to_the_same_value_every_step_trains_like_torch():
     def batch(generator):
         return torch.randn(3, 4, generator=generator), torch.randn(3, 4, generator=generator)
 
     torch.manual_seed(0)
     run_parity(StepCounter("same-value-each-step"), batches(batch), optim.SGDConfig(lr=0.1), sgd, loss_fn=F.mse_loss)
+
+
+@pytest.mark.parametrize("frozen_first", [False, True], ids=["frozen-later", "unfrozen-later"])
+def test_requires_grad_changed_on_the_module_after_the_first_step_is_refused_naming_the_weight(frozen_first):
+    """Gradual unfreezing (fine-tuning schedules) in torch's loop changes which weights train; the trainer's graphs
+    were built for the first step's, and trained a weight frozen since (or left one unfrozen since), without a word."""
+    model = MLP()
+    model.fc1.weight.requires_grad_(not frozen_first)
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
+    trainer.train_step(*mlp_batch())
+    model.fc1.weight.requires_grad_(frozen_first)
+    before = trainer.state_dict(pytorch_format=True)
+    with pytest.raises(ValueError, match=rf"requires_grad of 'fc1.weight' \({not frozen_first} -> {frozen_first}\) changed "
+                                         r"since the trainer's first step"):  # fmt: skip
+        trainer.train_step(*mlp_batch())
+    assert_close_state_dicts(trainer.state_dict(pytorch_format=True), before)
+
+
+def assert_close_state_dicts(now: dict, before: dict) -> None:
+    assert now.keys() == before.keys()
+    for name, tensor in now.items():
+        torch.testing.assert_close(tensor, before[name], atol=0, rtol=0, msg=lambda message: f"'{name}': {message}")
 
 
 def test_value_frozen_from_a_fixed_width_trains_like_torch_at_every_batch_shape():

@@ -3,11 +3,12 @@
 
 import numpy as np
 import onnx
+import torch
 from torch.onnx import symbolic_helper
 from torch.onnx._internal.torchscript_exporter import _type_utils
 
 from .. import rewrites
-from ._graph import _constant, _ExportGraph, _numpy_dtype, _reduce
+from ._graph import _constant, _ExportGraph, _module_scope, _numpy_dtype, _reduce
 from .elementwise import _clamp_min, detach
 from .reductions import pairwise_distance
 
@@ -194,14 +195,14 @@ def cross_entropy_loss(g, scores, target, weight, reduction, ignore_index, label
     sizes, rank = symbolic_helper._get_tensor_sizes(scores), symbolic_helper._get_tensor_rank(scores)
     probabilities = target.type().scalarType() in ("Float", "Double", "Half", "BFloat16")
     class_weights = None  # along dim 1, for torch's formulas
-    if probabilities or label_smoothing:
-        if not sizes or len(sizes) < 2 or sizes[1] is None:
-            raise ValueError(f"cross_entropy with {'class probabilities' if probabilities else 'label_smoothing'}: orttrainer "
-                             "exports it for scores of a fixed number of classes in dim 1 (a batch), which these are not")  # fmt: skip
-        if weighted:
-            class_weights = symbolic_helper._unsqueeze_helper(g, weight, list(range(1, rank - 1)))
+    classes = _class_count(g, scores, sizes) if probabilities or label_smoothing else None
+    if (probabilities or label_smoothing) and weighted:
+        if rank is None:
+            raise ValueError(f"cross_entropy with class weights and {'class probabilities' if probabilities else 'label_smoothing'} "
+                             f"in module '{_module_scope(g)}': orttrainer exports it for scores of a known rank")  # fmt: skip
+        class_weights = symbolic_helper._unsqueeze_helper(g, weight, list(range(1, rank - 1)))
     if probabilities:
-        return _cross_entropy_of_probabilities(g, scores, target, class_weights, reduction_name, label_smoothing, sizes[1])
+        return _cross_entropy_of_probabilities(g, scores, target, class_weights, reduction_name, label_smoothing, classes)
     nll = g.op("SoftmaxCrossEntropyLoss", scores, target, *([weight] if weighted else []), reduction_s=reduction_name,
                ignore_index_i=ignore_index)  # fmt: skip
     if not label_smoothing:
@@ -222,15 +223,32 @@ def cross_entropy_loss(g, scores, target, weight, reduction, ignore_index, label
         smooth = g.op("Div", smooth, symbolic_helper._reducesum_helper(g, kept, keepdims_i=0))
     # torch's scalars, computed in double and applied in float32
     return g.op("Add", g.op("Mul", nll, _constant(g, 1.0 - label_smoothing)),
-                g.op("Mul", smooth, _constant(g, label_smoothing / sizes[1])))  # fmt: skip
+                g.op("Mul", smooth, _over_classes(g, label_smoothing, classes)))  # fmt: skip
+
+
+def _class_count(g, scores, sizes):
+    """The number of classes (dim 1 of ``scores``): a Python number where the trace knows it, else a float64 value
+    computed in the run (scores reshaped to (-1, classes) under dynamic batch axes)."""
+    if sizes and len(sizes) >= 2 and sizes[1] is not None:
+        return sizes[1]
+    dim = g.op("Gather", g.op("Shape", scores), g.op("Constant", value_t=torch.tensor(1, dtype=torch.int64)))
+    return g.op("Cast", dim, to_i=_type_utils.JitScalarType.DOUBLE.onnx_type())
+
+
+def _over_classes(g, value: float, classes):
+    """``value / classes`` computed in double, as a float32 scalar: torch's formulas divide so."""
+    if isinstance(classes, int):
+        return _constant(g, value / classes)
+    quotient = g.op("Div", g.op("Constant", value_t=torch.tensor(value, dtype=torch.float64)), classes)
+    return g.op("Cast", quotient, to_i=_type_utils.JitScalarType.FLOAT.onnx_type())
 
 
 def _cross_entropy_of_probabilities(g, scores, target, class_weights, reduction_name, label_smoothing, classes):
     """torch's cross_entropy_loss_prob_target: -sum over classes of log_softmax * target (* weights), the
     target first smoothed to target * (1 - e) + e / classes; a mean divides by the number of samples
-    (elements over classes), whatever the weights."""
+    (elements over classes), whatever the weights. ``classes``: ``_class_count``."""
     if label_smoothing:
-        target = g.op("Add", g.op("Mul", target, _constant(g, 1.0 - label_smoothing)), _constant(g, label_smoothing / classes))
+        target = g.op("Add", g.op("Mul", target, _constant(g, 1.0 - label_smoothing)), _over_classes(g, label_smoothing, classes))
     products = g.op("Mul", g.op("LogSoftmax", scores, axis_i=1), target)
     if class_weights is not None:
         products = g.op("Mul", products, class_weights)
@@ -239,7 +257,10 @@ def _cross_entropy_of_probabilities(g, scores, target, class_weights, reduction_
     total = g.op("Neg", symbolic_helper._reducesum_helper(g, products, keepdims_i=0))
     if reduction_name == "sum":
         return total
-    samples = g.op("Div", g.op("Cast", g.op("Size", scores), to_i=1), _constant(g, float(classes)))  # 1: float32
+    if isinstance(classes, int):
+        samples = g.op("Div", g.op("Cast", g.op("Size", scores), to_i=1), _constant(g, float(classes)))  # 1: float32
+    else:  # 11: double
+        samples = g.op("Cast", g.op("Div", g.op("Cast", g.op("Size", scores), to_i=11), classes), to_i=1)
     return g.op("Div", total, samples)
 
 
