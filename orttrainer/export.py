@@ -788,6 +788,16 @@ def _refuse_draws_outside_torch(before: tuple, model, call, inputs, devices) -> 
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
 
 
+def _byte_sum(tensor: torch.Tensor) -> int:
+    """A sum of a tensor's bytes, taken eight at a time as int64 (wrapping): a change of its values moves it. Eight
+    at a time: a sum of single bytes took 0.65 s over GPT-2's weights (23M), this one 0.05-0.17 s."""
+    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    if data.storage_offset() % 8:
+        data = data.clone()
+    whole = data.numel() - data.numel() % 8
+    return int(data[:whole].view(torch.int64).sum()) + int(data[whole:].sum())
+
+
 @dataclass(frozen=True)
 class _Fingerprint:
     """A tensor as forward may change it: reassigned (``identity``), given other storage, changed through ``.data``
@@ -800,9 +810,7 @@ class _Fingerprint:
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> "_Fingerprint":
-        data = tensor.detach()
-        byte_sum = int(data.contiguous().reshape(-1).view(torch.uint8).sum(dtype=torch.int64))
-        return cls(id(tensor), data.data_ptr(), byte_sum, tensor._version)
+        return cls(id(tensor), tensor.data_ptr(), _byte_sum(tensor), tensor._version)
 
     def changed_unseen(self, now: "_Fingerprint") -> bool:
         """Changed where the version counter did not count it (in-place ops count; the exporter names those)."""
