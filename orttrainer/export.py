@@ -332,6 +332,14 @@ def refuse_custom_backward(module, loss_fn, forward_names, inputs, loss_index: i
             outputs = wrapper(*inputs)
         loss = (list(outputs) if isinstance(outputs, (tuple, list)) else [outputs])[loss_index]
         functions = _custom_functions(loss) if isinstance(loss, torch.Tensor) else []
+    except ValueError as error:
+        if not str(error).startswith("Expected more than 1 value per channel when training"):
+            raise
+        raise ExportError(
+            f"{error}: the trainer builds the graphs of a batch's shapes, eval_step's too, from forward in training "
+            "mode, where BatchNorm needs more than one value per channel; use batches of two or more (to evaluate a "
+            "single sample, use the module: trainer.sync_to_module(), model.eval())"
+        ) from error
     finally:
         with torch.no_grad():  # forward in train mode moved BatchNorm statistics
             for tensor, value in zip(tensors, saved):

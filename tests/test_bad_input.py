@@ -405,6 +405,17 @@ def test_a_loss_listed_after_other_outputs_with_a_loss_fn_is_refused_saying_to_l
         trainer.train_step(*mlp_batch())
 
 
+def test_eval_step_on_a_single_sample_of_a_batch_norm_model_says_why_and_what_to_do():
+    """torch's eval mode takes one sample; the graphs of a new batch shape come from a training-mode trace, where
+    BatchNorm refuses it: torch's bare ValueError came out of the trainer."""
+    model = nn.Sequential(nn.Linear(32, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 10))
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
+    trainer.train_step(*mlp_batch())
+    with pytest.raises(ExportError, match=r"Expected more than 1 value per channel when training.*eval_step's too, from "
+                                          r"forward in training mode.*use batches of two or more"):  # fmt: skip
+        trainer.eval_step(*mlp_batch(batch=1))
+
+
 def test_what_the_user_passed_in_is_never_changed(tmp_path):
     import copy
 
