@@ -317,6 +317,20 @@ def _custom_functions(output) -> list:
     return found
 
 
+@contextlib.contextmanager
+def _tensors_kept(module: torch.nn.Module):
+    """``module``'s parameters and buffers as they were before the block (forward in training mode moves BatchNorm's
+    statistics), put back by copying: not through its ``load_state_dict``, which its state_dict hooks may refuse."""
+    tensors = [*module.parameters(), *module.buffers()]
+    saved = [tensor.detach().clone() for tensor in tensors]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for tensor, value in zip(tensors, saved):
+                tensor.copy_(value)
+
+
 def refuse_custom_backward(module, loss_fn, forward_names, inputs, loss_index: int, constants=None) -> None:
     """Run forward + loss once with autograd and refuse what carries a hand-written backward.
 
@@ -324,11 +338,9 @@ def refuse_custom_backward(module, loss_fn, forward_names, inputs, loss_index: i
     (a straight-through estimator, a gradient reversal) would be replaced by the
     gradient of those ops; a hook registered on a tensor inside forward would never run.
     """
-    tensors = [*module.parameters(), *module.buffers()]  # not state_dict(): its hooks may add or drop entries
-    saved = [tensor.detach().clone() for tensor in tensors]
     wrapper = with_loss(module, loss_fn, forward_names, constants)
     try:
-        with torch.enable_grad(), keeping_no_activations(), _HookAndFunctionSpy() as spy:
+        with _tensors_kept(module), torch.enable_grad(), keeping_no_activations(), _HookAndFunctionSpy() as spy:
             outputs = wrapper(*inputs)
         loss = (list(outputs) if isinstance(outputs, (tuple, list)) else [outputs])[loss_index]
         functions = _custom_functions(loss) if isinstance(loss, torch.Tensor) else []
@@ -340,10 +352,6 @@ def refuse_custom_backward(module, loss_fn, forward_names, inputs, loss_index: i
             "mode, where BatchNorm needs more than one value per channel; use batches of two or more (to evaluate a "
             "single sample, use the module: trainer.sync_to_module(), model.eval())"
         ) from error
-    finally:
-        with torch.no_grad():  # forward in train mode moved BatchNorm statistics
-            for tensor, value in zip(tensors, saved):
-                tensor.copy_(value)
     problems = [f"tensor.register_hook at {where}: ONNX Runtime computes the gradients, so the hook would never run"
                 for where in spy.hooks]  # fmt: skip
     problems += [f"custom torch.autograd.Function {name}: its backward would be replaced by the gradient of the ops "
@@ -772,13 +780,15 @@ def _draw_locations(call, inputs, devices) -> list:
     return list(found)
 
 
-def _refuse_draws_outside_torch(before: tuple, model, call, inputs, devices) -> None:
-    """Refuses a forward (or loss) that drew from Python's random module or numpy's global generator while traced.
+def _refuse_draws_outside_torch(before: tuple, model, call, inputs, devices, serialized: bytes, export_again) -> None:
+    """Refuses a forward (or loss) that drew from Python's random module or numpy's global generator while traced,
+    unless the graph (``serialized``) is the same with every draw forced to either end of its range
+    (``_draws_decide_nothing``; ``export_again()`` exports once more).
 
     The trace cannot see such a draw: it keeps the first one's result as a constant, so every step would reuse it
     (older transformers drew LayerDrop with ``random.uniform``; Wav2Vec2's SpecAugment draws its masks with numpy)."""
     drawn = _drawn_between(before, _states_outside_torch())
-    if not drawn:
+    if not drawn or _draws_decide_nothing(serialized, export_again, call.model):
         return
     locations = _draw_locations(call, inputs, devices) or [
         "no line drew when forward ran again under a tracer: the draw depends on something forward changed, or "
@@ -790,6 +800,52 @@ def _refuse_draws_outside_torch(before: tuple, model, call, inputs, devices) -> 
         "and keep the draw in tensor ops (a mask from torch.rand), turn the random behaviour off (transformers: "
         "config.layerdrop, mask_time_prob, mask_feature_prob = 0.0), or train this model with torch."
     )
+
+
+def _draws_decide_nothing(serialized: bytes, export_again, module: torch.nn.Module) -> bool:
+    """Whether the graph stays ``serialized`` when every uniform draw returns the lowest value of its range, and again
+    the highest: a draw compared with a probability of 0 (transformers' MusicGen draws LayerDrop's number at every
+    layer, whatever ``layerdrop``) decides nothing the graph holds. A draw the forcing does not reach (another
+    function of the generators) decides against. The module's tensors are put back after the two exports."""
+    with _tensors_kept(module):
+        for value in (0.0, 1.0 - 2.0**-53):
+            before = _states_outside_torch()
+            with _uniform_draws_forced_to(value):
+                again, _ = export_again()
+            if _drawn_between(before, _states_outside_torch()) or _computation(again) != _computation(serialized):
+                return False
+    return True
+
+
+def _computation(serialized: bytes) -> bytes:
+    """An exported graph's nodes and the constants the trace made (not the module's weights and buffers, whose values
+    the traces move)."""
+    graph = onnx.load_from_string(serialized).graph
+    made = [init for init in graph.initializer if not init.name.startswith(_WRAPPED)]
+    return b"".join(entry.SerializeToString() for entry in [*graph.node, *made])
+
+
+@contextlib.contextmanager
+def _uniform_draws_forced_to(value: float):
+    """Python's ``random.random``/``uniform`` and numpy's ``random``/``random_sample``/``rand``/``uniform`` return
+    ``value`` (in [0, 1), scaled to their range) in this block."""
+
+    def uniform(low=0.0, high=1.0, size=None):
+        drawn = low + (high - low) * value
+        return drawn if size is None else np.full(size, drawn)
+
+    forced = [(random, "random", lambda: value), (random, "uniform", lambda low, high: uniform(low, high)),
+              (np.random, "random", lambda size=None: uniform(size=size)),
+              (np.random, "random_sample", lambda size=None: uniform(size=size)),
+              (np.random, "rand", lambda *shape: uniform(size=shape or None)), (np.random, "uniform", uniform)]  # fmt: skip
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in forced]
+    try:
+        for owner, name, function in forced:
+            setattr(owner, name, function)
+        yield
+    finally:
+        for owner, name, function in saved:
+            setattr(owner, name, function)
 
 
 # Attributes every torch module has: torch's bookkeeping, which forward does not change as state of its own.
@@ -808,21 +864,25 @@ def _byte_sum(tensor: torch.Tensor) -> int:
 
 @dataclass(frozen=True)
 class _Fingerprint:
-    """A tensor as forward may change it: reassigned (``identity``), given other storage, changed through ``.data``
-    (which the version counter does not see: ``byte_sum``) or in place (``version``)."""
+    """A tensor's values (dtype, shape and ``_byte_sum``), which forward may change by reassigning the tensor, through
+    ``.data`` (which the version counter does not see) or in place (which it counts), and who holds them."""
 
+    values: tuple
     identity: int
-    data_pointer: int
-    byte_sum: int
     version: int
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> "_Fingerprint":
-        return cls(id(tensor), tensor.data_ptr(), _byte_sum(tensor), tensor._version)
+        return cls((tensor.dtype, tuple(tensor.shape), _byte_sum(tensor)), id(tensor), tensor._version)
 
-    def changed_unseen(self, now: "_Fingerprint") -> bool:
-        """Changed where the version counter did not count it (in-place ops count; the exporter names those)."""
-        return now != self and now.version == self.version
+    def changed(self, now: "_Fingerprint", unseen_only: bool, in_place_counts: bool) -> bool:
+        """Whether the values changed (a tensor replaced by an equal one, as Swin's window size is at every trace, did
+        not); with ``unseen_only``, only where no in-place op of the same tensor counted it (the exporter names those).
+        With ``in_place_counts`` an in-place op counts even where it left the values as they were (a parameter's
+        clamp or renormalisation does so from its second run on)."""
+        if now.values == self.values:
+            return in_place_counts and not unseen_only and now.identity == self.identity and now.version != self.version
+        return not unseen_only or now.identity != self.identity or now.version == self.version
 
 
 def _comparable(value) -> bool:
@@ -867,7 +927,7 @@ def _state_changes(before: dict, wrapper: torch.nn.Module, unseen_only: bool) ->
     changes = []
     for (kind, name), value in before.items():
         now = after.get((kind, name), _ABSENT)
-        if now is _ABSENT or now == value or (unseen_only and not value.changed_unseen(now)):
+        if now is _ABSENT or (now == value if kind == "attribute" else not value.changed(now, unseen_only, kind == "parameter")):
             continue
         if kind == "attribute":
             changes.append(f"attribute '{name}': {value!r} -> {now!r}")
@@ -907,9 +967,30 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
     froze a value of this batch (see ``_FROZEN_VALUE``).
     """
     wrapper = with_loss(model, loss_fn, forward_names, constants)
-    buffer = io.BytesIO()
     devices = [inputs[0].device.index or 0] if inputs and inputs[0].is_cuda else []
     states_before, module_state_before = _states_outside_torch(), _module_state(wrapper)
+
+    def export_once():
+        return _traced_export(model, wrapper, inputs, desc_inputs, desc_outputs, opset, with_weights, devices)
+
+    serialized, heard = export_once()
+    mismatch = _outputs_differing_by_mode(model, wrapper, desc_outputs)
+    if mismatch:
+        raise mismatch
+    _refuse_state_changes(module_state_before, model, wrapper)  # first: the draws' exports put the tensors back
+    _refuse_draws_outside_torch(states_before, model, wrapper, inputs, devices, serialized, export_once)
+    exported = onnx.load_from_string(serialized)
+    _strip_wrapper_prefix(exported)
+    lookups = resolve_markers(exported)
+    rewrites.torch_pools(exported)  # first: torch's pools can make fewer windows than ONNX's, whose sizes folding reads
+    rewrites.fold_static_sizes(exported, _module_tensor_names(model))
+    return exported, lookups, heard.frozen_values
+
+
+def _traced_export(model, wrapper, inputs, desc_inputs, desc_outputs, opset, with_weights, devices):
+    """One ``torch.onnx.export`` of ``wrapper`` (orttrainer's symbolics registered, exporter warnings heard): the
+    serialized model and the ``_ExporterWarnings`` that heard it."""
+    buffer = io.BytesIO()
     try:
         values = _ValuesTurnedPython()
         inputs_by_name = {name: tensor for (name, _), tensor in zip(desc_inputs, inputs)}
@@ -939,17 +1020,7 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
         first_line = str(error).strip().split("\n", 1)[0]  # the rest is a dump of the traced graph: in the cause below
         failed = ExportError(f"torch.onnx.export of {type(model).__name__} failed: {first_line}{_known_fix(model, first_line)}")
         raise mismatch or failed from error
-    mismatch = _outputs_differing_by_mode(model, wrapper, desc_outputs)
-    if mismatch:
-        raise mismatch
-    _refuse_draws_outside_torch(states_before, model, wrapper, inputs, devices)
-    _refuse_state_changes(module_state_before, model, wrapper)
-    exported = onnx.load_from_string(buffer.getvalue())
-    _strip_wrapper_prefix(exported)
-    lookups = resolve_markers(exported)
-    rewrites.torch_pools(exported)  # first: torch's pools can make fewer windows than ONNX's, whose sizes folding reads
-    rewrites.fold_static_sizes(exported, _module_tensor_names(model))
-    return exported, lookups, heard.frozen_values
+    return buffer.getvalue(), heard
 
 
 def _known_fix(model, message: str) -> str:

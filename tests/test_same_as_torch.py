@@ -533,13 +533,30 @@ def test_cross_entropy_over_logits_reshaped_to_classes_trains_like_torch(loss_fn
 
 
 class LayerDropDrawnWithPython(LayerDrop):
-    """LayerDrop as transformers drew it before torch.rand (``random.uniform(0, 1) < layerdrop``)."""
+    """LayerDrop as transformers drew it before torch.rand (``random.uniform(0, 1) < layerdrop``), and as its MusicGen
+    still draws it, at every layer whatever the probability."""
+
+    def __init__(self, layerdrop=0.1, numpy=False):
+        super().__init__()
+        self.layerdrop, self.numpy = layerdrop, numpy
 
     def forward(self, x):
         x = torch.relu(self.first(x))
-        if self.training and random.uniform(0, 1) < 0.1:
+        drawn = np.random.random() if self.numpy else random.uniform(0, 1)
+        if self.training and drawn < self.layerdrop:
             return x
         return self.second(x)
+
+
+@pytest.mark.parametrize("numpy", [False, True], ids=["python", "numpy"])
+def test_a_draw_that_decides_nothing_trains_like_torch(numpy):
+    """MusicGen draws LayerDrop's number at every layer with layerdrop 0 (its default): the graph is the same whatever
+    the draw (exported again with the draws forced to either end of their range), so it is not refused."""
+    torch.manual_seed(0)
+    random.seed(0)
+    run_parity(LayerDropDrawnWithPython(layerdrop=0.0, numpy=numpy), batches(lambda generator: (
+        torch.randn(3, 4, generator=generator), torch.randn(3, 4, generator=generator))), optim.SGDConfig(lr=0.1), sgd,
+        loss_fn=F.mse_loss)  # fmt: skip
 
 
 class NoiseDrawnWithNumpy(nn.Module):
@@ -553,8 +570,8 @@ class NoiseDrawnWithNumpy(nn.Module):
 
 
 @pytest.mark.parametrize("module, line", [
-    (LayerDropDrawnWithPython, r"Python's random module at:\n- \S*test_same_as_torch.py:\d+: if self.training and "
-                               r"random.uniform\(0, 1\) < 0.1:"),
+    (LayerDropDrawnWithPython, r"Python's random module at:\n- \S*test_same_as_torch.py:\d+: drawn = np.random.random\(\) "
+                               r"if self.numpy else random.uniform\(0, 1\)"),
     (NoiseDrawnWithNumpy, r"numpy's global generator \(np.random\) at:\n- \S*test_same_as_torch.py:\d+: noise = "
                           r"np.random.standard_normal"),
 ], ids=["python-random", "numpy-random"])  # fmt: skip
@@ -598,6 +615,8 @@ class StepCounter(nn.Module):
             x = F.embedding(torch.tensor([[0, 1, 2, 3]]).expand(x.shape[0], 4), self.fc.weight, max_norm=0.5).sum(-1)
         elif self.change == "same-value-each-step":
             self.width = x.shape[-1]
+        elif self.change == "equal-tensor-each-step":  # Swin's window size, a tensor while traced
+            self.width = torch.tensor(x.shape[-1]) if torch.jit.is_tracing() else x.shape[-1]
         return self.fc(x)
 
 
@@ -640,12 +659,16 @@ def test_a_loss_object_that_changes_its_own_state_is_refused_naming_it():
         trainer.train_step(torch.randn(3, 4), torch.randn(3, 4))
 
 
-def test_forward_that_sets_an_attribute_to_the_same_value_every_step_trains_like_torch():
+@pytest.mark.parametrize("change", ["same-value-each-step", "equal-tensor-each-step"])
+def test_forward_that_sets_an_attribute_to_the_same_value_every_step_trains_like_torch(change):
+    """Not a change of state: transformers' Swin sets its window size from the input's resolution at every forward (a
+    new but equal tensor at each trace; the values check's second export was refused for it)."""
+
     def batch(generator):
         return torch.randn(3, 4, generator=generator), torch.randn(3, 4, generator=generator)
 
     torch.manual_seed(0)
-    run_parity(StepCounter("same-value-each-step"), batches(batch), optim.SGDConfig(lr=0.1), sgd, loss_fn=F.mse_loss)
+    run_parity(StepCounter(change), batches(batch), optim.SGDConfig(lr=0.1), sgd, loss_fn=F.mse_loss)
 
 
 @pytest.mark.parametrize("frozen_first", [False, True], ids=["frozen-later", "unfrozen-later"])
