@@ -181,7 +181,9 @@ def refuse_untrainable_modules(model: torch.nn.Module) -> None:
     problems = [f"{owner}: ONNX Runtime computes the gradients, so it would never run" for owner in _backward_hook_owners(model)]
     scripted = []  # path prefixes of the torch.jit.script modules found
     for path, layer in model.named_modules():
-        if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm) and layer.track_running_stats and layer.momentum is None:
+        trains = layer.training or not model.training  # a root in eval() is trained in train() mode (module_for_export)
+        if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm) and layer.track_running_stats and layer.momentum is None \
+                and trains:  # fmt: skip
             raise NotImplementedError(
                 f"module '{path}' ({type(layer).__name__}) uses momentum=None (cumulative average); set a momentum"
             )

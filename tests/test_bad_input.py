@@ -197,6 +197,17 @@ def test_batchnorm_with_cumulative_average_is_refused():
         trainer.train_step(*cnn_batch())
 
 
+def test_a_frozen_batchnorm_with_cumulative_average_trains_like_torch():
+    """In eval() it never updates its statistics, so its momentum=None means nothing (it was refused)."""
+    torch.manual_seed(0)
+    model = CNN()
+    model.features[1].momentum = None
+    model.features[1].eval()
+    generator = torch.Generator().manual_seed(0)
+    run_parity(model, [cnn_batch(generator=generator) for _ in range(3)], optim.SGDConfig(lr=0.1),
+               lambda parameters: torch.optim.SGD(parameters, lr=0.1), loss_fn=F.cross_entropy)  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
 def test_weights_that_are_not_float32_are_refused_with_names(dtype):
     """ONNX Runtime's gradient builder fails on them with a C++ message naming its own nodes."""
