@@ -895,9 +895,10 @@ def _comparable(value) -> bool:
 
 
 def _module_state(wrapper: torch.nn.Module, attributes=True) -> dict:
-    """{(kind, qualified name): fingerprint} of what a forward could change in its modules (and in the loss, a module
-    or an object with state of its own) without the trace recording it: parameters, buffers, and with ``attributes``
-    tensor and Python attributes. BatchNorm's running statistics are left out: the graph updates them as torch does."""
+    """{(kind, qualified name): fingerprint or value} of what a forward could change in its modules (and in the loss,
+    a module or an object with state of its own) without the trace recording it: parameters, buffers, and with
+    ``attributes`` tensor and Python attributes and the variables the modules' forward hooks close over (a warm-up
+    counter). BatchNorm's running statistics are left out: the graph updates them as torch does."""
     state = {}
     owners = [(path, layer) for path, layer in wrapper.named_modules() if path]
     loss_owner = getattr(wrapper.loss_fn, "__self__", wrapper.loss_fn)  # a bound method's object
@@ -914,6 +915,8 @@ def _module_state(wrapper: torch.nn.Module, attributes=True) -> dict:
                 state[("attribute", prefix + name)] = value
         if not isinstance(owner, torch.nn.Module):
             continue
+        if attributes:
+            state.update(_hook_variables(owner, prefix.rstrip(".") or "the model"))
         tracked = not isinstance(owner, torch.nn.modules.batchnorm._BatchNorm)
         for kind, tensors in (("buffer", owner._buffers if tracked else {}), ("parameter", owner._parameters)):
             for name, tensor in tensors.items():
@@ -922,17 +925,38 @@ def _module_state(wrapper: torch.nn.Module, attributes=True) -> dict:
     return state
 
 
+def _hook_variables(layer: torch.nn.Module, where: str) -> dict:
+    """{("hook variable", description): value} of the Python numbers and strings (alone or in a dict) that the forward
+    hooks of ``layer`` close over."""
+    found = {}
+    for hook in [*layer._forward_pre_hooks.values(), *layer._forward_hooks.values()]:
+        code, cells = getattr(hook, "__code__", None), getattr(hook, "__closure__", None) or ()
+        for name, cell in zip(code.co_freevars if code else (), cells):
+            try:
+                value = cell.cell_contents
+            except ValueError:  # a cell not yet filled
+                continue
+            items = value.items() if isinstance(value, dict) else [(None, value)]
+            for key, item in items:
+                if _comparable(item):
+                    variable = name if key is None else f"{name}[{key!r}]"
+                    found[("hook variable", f"{variable}, a variable of the forward hook {hook.__qualname__} of module "
+                                            f"'{where}'")] = item  # fmt: skip
+    return found
+
+
 def _state_changes(before: dict, wrapper: torch.nn.Module, unseen_only: bool) -> list:
-    """What forward changed of ``before`` (``_module_state``), one line each; with ``unseen_only`` only tensors changed
-    where their version counter did not count it."""
-    after = _module_state(wrapper, attributes=any(kind.endswith("attribute") for kind, _ in before))
+    """What forward changed of ``before`` (``_module_state``, taken with ``attributes`` unless ``unseen_only``), one line
+    each; with ``unseen_only`` only tensors changed where their version counter did not count it."""
+    after = _module_state(wrapper, attributes=not unseen_only)
     changes = []
     for (kind, name), value in before.items():
         now = after.get((kind, name), _ABSENT)
-        if now is _ABSENT or (now == value if kind == "attribute" else not value.changed(now, unseen_only, kind == "parameter")):
+        tensor = isinstance(value, _Fingerprint)
+        if now is _ABSENT or (not value.changed(now, unseen_only, kind == "parameter") if tensor else now == value):
             continue
-        if kind == "attribute":
-            changes.append(f"attribute '{name}': {value!r} -> {now!r}")
+        if not tensor:
+            changes.append(f"{name if kind == 'hook variable' else f'{kind} {name!r}'}: {value!r} -> {now!r}")
         elif kind == "parameter":
             changes.append(f"parameter '{name}': its values changed in forward (a .data update, F.embedding's max_norm "
                            "renormalising rows)")

@@ -659,6 +659,34 @@ def test_a_loss_object_that_changes_its_own_state_is_refused_naming_it():
         trainer.train_step(torch.randn(3, 4), torch.randn(3, 4))
 
 
+def _with_warm_up_hook(counting: bool) -> nn.Module:
+    """An MLP whose head's output a forward hook scales: by a warm-up factor counted in the hook's closure (1.5, 2,
+    2.5, then 2.5), or by a constant it closes over."""
+    model, calls, scale = MLP(), {"count": 0}, 2.0
+
+    def warm_up(module, inputs, output):
+        calls["count"] += counting
+        return output * (1.0 + 0.5 * min(calls["count"], 3) if counting else scale)
+
+    model.head.register_forward_hook(warm_up)
+    return model
+
+
+def test_a_forward_hook_that_counts_in_its_closure_is_refused_naming_the_variable():
+    trainer = ORTTrainer(_with_warm_up_hook(counting=True), None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy,
+                         options=cpu_options())  # fmt: skip
+    with pytest.raises(ExportError, match=r"(?s)changes its own state.*- calls\['count'\], a variable of the forward hook "
+                                          r".*warm_up of module 'head': \d+ -> \d+"):  # fmt: skip
+        trainer.train_step(*mlp_batch())
+
+
+def test_a_forward_hook_over_constants_trains_like_torch():
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    run_parity(_with_warm_up_hook(counting=False), [mlp_batch(generator=generator) for _ in range(3)],
+               optim.SGDConfig(lr=0.1), sgd, loss_fn=F.cross_entropy)  # fmt: skip
+
+
 @pytest.mark.parametrize("change", ["same-value-each-step", "equal-tensor-each-step"])
 def test_forward_that_sets_an_attribute_to_the_same_value_every_step_trains_like_torch(change):
     """Not a change of state: transformers' Swin sets its window size from the input's resolution at every forward (a
