@@ -17,14 +17,11 @@ import copy
 import functools
 import io
 import linecache
-import os
-import random
 import re
 import sys
 import warnings
 from dataclasses import dataclass
 
-import numpy as np
 import onnx
 import torch
 from torch.nn.utils.parametrizations import _SpectralNorm
@@ -33,10 +30,9 @@ from torch.onnx import TrainingMode
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from . import model_outputs, rewrites, symbolics
+from . import forward_effects, model_outputs, rewrites, symbolics
 
 _WRAPPED = "model."  # prefix the wrapper adds to every weight name
-_TORCH_DIRECTORY = os.path.dirname(torch.__file__) + os.sep
 
 
 class ExportError(ValueError):
@@ -86,13 +82,13 @@ def sample_outputs(model, loss_fn, forward_names, inputs, constants=None):
     """
     wrapper = with_loss(model, loss_fn, forward_names, constants)
     attributes = {layer: _attributes_of(layer) for layer in model.modules()}  # the training flags among them
-    tensors = _module_state(wrapper, attributes=False)
+    tensors = forward_effects.module_state(model, loss_fn, attributes=False)
     model.eval()
     try:
         with torch.no_grad(), _DifferentiationRefused():
             outputs = wrapper(*inputs)
         # a clamp makes its change at the first run only; in-place ops the version counter sees the export names
-        _refuse_state_changes(tensors, model, wrapper, unseen_only=True)
+        _refuse_state_changes(tensors, model, loss_fn, unseen_only=True)
         return outputs, wrapper.form
     finally:
         _restore_attributes(attributes)
@@ -233,7 +229,7 @@ class _DifferentiationRefused(TorchFunctionMode):
         if func in self._NAMES:
             raise ExportError(
                 f"forward or the loss function differentiates ({self._NAMES[func]} at "
-                f"{_user_location()}): ONNX Runtime trains with one gradient graph of forward + loss, which cannot "
+                f"{forward_effects.user_location()}): ONNX Runtime trains with one gradient graph of forward + loss, which cannot "
                 "hold a derivative taken inside them; train this model with torch"
             )
         return func(*args, **(kwargs or {}))
@@ -248,7 +244,7 @@ class _HookAndFunctionSpy(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in (torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook):
-            self.hooks.append(_user_location())
+            self.hooks.append(forward_effects.user_location())
         return func(*args, **(kwargs or {}))
 
 
@@ -319,20 +315,6 @@ def _custom_functions(output) -> list:
     return found
 
 
-@contextlib.contextmanager
-def _tensors_kept(module: torch.nn.Module):
-    """``module``'s parameters and buffers as they were before the block (forward in training mode moves BatchNorm's
-    statistics), put back by copying: not through its ``load_state_dict``, which its state_dict hooks may refuse."""
-    tensors = [*module.parameters(), *module.buffers()]
-    saved = [tensor.detach().clone() for tensor in tensors]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for tensor, value in zip(tensors, saved):
-                tensor.copy_(value)
-
-
 def refuse_custom_backward(module, loss_fn, forward_names, inputs, loss_index: int, constants=None) -> None:
     """Run forward + loss once with autograd and refuse what carries a hand-written backward.
 
@@ -342,7 +324,7 @@ def refuse_custom_backward(module, loss_fn, forward_names, inputs, loss_index: i
     """
     wrapper = with_loss(module, loss_fn, forward_names, constants)
     try:
-        with _tensors_kept(module), torch.enable_grad(), keeping_no_activations(), _HookAndFunctionSpy() as spy:
+        with forward_effects.tensors_kept(module), torch.enable_grad(), keeping_no_activations(), _HookAndFunctionSpy() as spy:
             outputs = wrapper(*inputs)
         loss = (list(outputs) if isinstance(outputs, (tuple, list)) else [outputs])[loss_index]
         functions = _custom_functions(loss) if isinstance(loss, torch.Tensor) else []
@@ -366,22 +348,6 @@ def refuse_custom_backward(module, loss_fn, forward_names, inputs, loss_index: i
 
 
 # ----------------------------------------------------------------- exporter warnings
-_OWN_DIRECTORY = os.path.dirname(__file__) + os.sep
-
-
-def _user_location(frame=None) -> str:
-    """'file:line: source' of the innermost frame outside torch, Python's warnings and random modules and orttrainer,
-    from ``frame`` (default: the caller's) outwards."""
-    frame = frame or sys._getframe(1)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if _is_users(filename):
-            source = linecache.getline(filename, frame.f_lineno).strip()
-            return f"{filename}:{frame.f_lineno}" + (f": {source}" if source else "")
-        frame = frame.f_back
-    return "(unknown location)"
-
-
 @dataclass
 class _Heard:
     """One exporter warning and the user's line that was running when it was raised."""
@@ -560,7 +526,7 @@ class _ValuesTurnedPython(TorchFunctionMode):
 
     def __init__(self):
         super().__init__()
-        self.from_values = {}  # user location (``_user_location``) -> why its value must not be frozen (``_frozen_from``)
+        self.from_values = {}  # user location (``forward_effects.user_location``) -> why its value must not be frozen (``_frozen_from``)
         self.making_empty_tensor = False  # a torch.tensor of no values is under way (``_holds_no_values``)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -578,7 +544,7 @@ class _ValuesTurnedPython(TorchFunctionMode):
             traced = None
         why = None if traced is None else _frozen_from(traced)
         if why is not None:
-            self.from_values.setdefault(_user_location(), why)
+            self.from_values.setdefault(forward_effects.user_location(), why)
         return func(*args, **(kwargs or {}))
 
     @staticmethod
@@ -638,9 +604,9 @@ class _ExporterWarnings:
     def _hear(self, message, category, filename, lineno, file=None, line=None):
         if self.values.making_empty_tensor and re.search(_CONSTANT_TENSOR, str(message)):
             return  # an empty tensor holds no value of the batch (transformers' DynamicCache makes two per layer)
-        if filename.startswith(_OWN_DIRECTORY):
+        if filename.startswith(forward_effects.ORTTRAINER_DIRECTORY):
             filename, lineno = _ValuesTurnedPython.caller() or (filename, lineno)
-        self.heard.append(_Heard(category, str(message), filename, lineno, _user_location()))
+        self.heard.append(_Heard(category, str(message), filename, lineno, forward_effects.user_location()))
 
     def __exit__(self, *exc_info):
         self._catcher.__exit__(*exc_info)
@@ -733,66 +699,17 @@ def resolve_markers(model: onnx.ModelProto) -> dict:
     return lookups
 
 
-def _states_outside_torch() -> tuple:
-    """The states of the random generators forward may draw from unseen by the trace: Python's random module's
-    and numpy's global one (``np.random``)."""
-    return random.getstate(), np.random.get_state()
-
-
-def _drawn_between(before: tuple, after: tuple) -> list:
-    """The names of the generators whose states differ between ``before`` and ``after`` (``_states_outside_torch``)."""
-    drawn = [] if after[0] == before[0] else ["Python's random module"]
-    if not (np.array_equal(after[1][1], before[1][1]) and after[1][2:] == before[1][2:]):
-        drawn.append("numpy's global generator (np.random)")
-    return drawn
-
-
-def _is_users(filename: str) -> bool:
-    """Whether code in ``filename`` is the user's: not torch's, orttrainer's, or Python's warnings or random modules."""
-    return not (filename.startswith(_TORCH_DIRECTORY) or filename.startswith(_OWN_DIRECTORY)
-                or filename in (warnings.__file__, random.__file__))  # fmt: skip
-
-
-def _draw_locations(call, inputs, devices) -> list:
-    """The user's lines that draw from Python's random module or numpy's global generator in one run of ``call``.
-
-    A line tracer on the user's code compares the generators' states at each of its events: a change was made by
-    the user's line run last (numpy's generator methods are invisible to a profile hook)."""
-    found, last = {}, {"line": None, "states": _states_outside_torch()}
-
-    def trace_users_lines(frame, event, argument):
-        states = _states_outside_torch()
-        if last["line"] is not None and _drawn_between(last["states"], states):
-            found.setdefault(last["line"])
-        last["states"] = states
-        if event == "line":
-            last["line"] = _user_location(frame)
-        return trace_users_lines
-
-    def trace_calls(frame, event, argument):
-        return trace_users_lines if _is_users(frame.f_code.co_filename) else None
-
-    previous = sys.gettrace()
-    sys.settrace(trace_calls)
-    try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
-            call(*inputs)
-    finally:
-        sys.settrace(previous)
-    return list(found)
-
-
 def _refuse_draws_outside_torch(before: tuple, model, call, inputs, devices, serialized: bytes, export_again) -> None:
     """Refuses a forward (or loss) that drew from Python's random module or numpy's global generator while traced,
     unless the graph (``serialized``) is the same with every draw forced to either end of its range
-    (``_draws_decide_nothing``; ``export_again()`` exports once more).
+    (``forward_effects.draws_decide_nothing``; ``export_again()`` exports once more).
 
     The trace cannot see such a draw: it keeps the first one's result as a constant, so every step would reuse it
     (older transformers drew LayerDrop with ``random.uniform``; Wav2Vec2's SpecAugment draws its masks with numpy)."""
-    drawn = _drawn_between(before, _states_outside_torch())
-    if not drawn or _draws_decide_nothing(serialized, export_again, call.model):
+    drawn = forward_effects.generators_drawn(before, forward_effects.generator_states())
+    if not drawn or forward_effects.draws_decide_nothing(serialized, export_again, call.model, _WRAPPED):
         return
-    locations = _draw_locations(call, inputs, devices) or [
+    locations = forward_effects.draw_locations(call, inputs, devices) or [
         "no line drew when forward ran again under a tracer: the draw depends on something forward changed, or "
         "another thread of the program drew from the generator during the export"]
     raise ExportError(
@@ -804,172 +721,11 @@ def _refuse_draws_outside_torch(before: tuple, model, call, inputs, devices, ser
     )
 
 
-def _draws_decide_nothing(serialized: bytes, export_again, module: torch.nn.Module) -> bool:
-    """Whether the graph stays ``serialized`` when every uniform draw returns the lowest value of its range, and again
-    the highest: a draw compared with a probability of 0 (transformers' MusicGen draws LayerDrop's number at every
-    layer, whatever ``layerdrop``) decides nothing the graph holds. A draw the forcing does not reach (another
-    function of the generators) decides against. The module's tensors are put back after the two exports."""
-    with _tensors_kept(module):
-        for value in (0.0, 1.0 - 2.0**-53):
-            before = _states_outside_torch()
-            with _uniform_draws_forced_to(value):
-                again, _ = export_again()
-            if _drawn_between(before, _states_outside_torch()) or _computation(again) != _computation(serialized):
-                return False
-    return True
-
-
-def _computation(serialized: bytes) -> bytes:
-    """An exported graph's nodes and the constants the trace made (not the module's weights and buffers, whose values
-    the traces move)."""
-    graph = onnx.load_from_string(serialized).graph
-    made = [init for init in graph.initializer if not init.name.startswith(_WRAPPED)]
-    return b"".join(entry.SerializeToString() for entry in [*graph.node, *made])
-
-
-@contextlib.contextmanager
-def _uniform_draws_forced_to(value: float):
-    """Python's ``random.random``/``uniform`` and numpy's ``random``/``random_sample``/``rand``/``uniform`` return
-    ``value`` (in [0, 1), scaled to their range) in this block."""
-
-    def uniform(low=0.0, high=1.0, size=None):
-        drawn = low + (high - low) * value
-        return drawn if size is None else np.full(size, drawn)
-
-    forced = [(random, "random", lambda: value), (random, "uniform", lambda low, high: uniform(low, high)),
-              (np.random, "random", lambda size=None: uniform(size=size)),
-              (np.random, "random_sample", lambda size=None: uniform(size=size)),
-              (np.random, "rand", lambda *shape: uniform(size=shape or None)), (np.random, "uniform", uniform)]  # fmt: skip
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in forced]
-    try:
-        for owner, name, function in forced:
-            setattr(owner, name, function)
-        yield
-    finally:
-        for owner, name, function in saved:
-            setattr(owner, name, function)
-
-
-# Attributes every torch module has: torch's bookkeeping, which forward does not change as state of its own.
-_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
-
-
-def _byte_sum(tensor: torch.Tensor) -> int:
-    """A sum of a tensor's bytes, taken eight at a time as int64 (wrapping): a change of its values moves it. Eight
-    at a time: a sum of single bytes took 0.65 s over GPT-2's weights (23M), this one 0.05-0.17 s."""
-    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-    if data.storage_offset() % 8:
-        data = data.clone()
-    whole = data.numel() - data.numel() % 8
-    return int(data[:whole].view(torch.int64).sum()) + int(data[whole:].sum())
-
-
-@dataclass(frozen=True)
-class _Fingerprint:
-    """A tensor's values (dtype, shape and ``_byte_sum``), which forward may change by reassigning the tensor, through
-    ``.data`` (which the version counter does not see) or in place (which it counts), and who holds them."""
-
-    values: tuple
-    identity: int
-    version: int
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> "_Fingerprint":
-        return cls((tensor.dtype, tuple(tensor.shape), _byte_sum(tensor)), id(tensor), tensor._version)
-
-    def changed(self, now: "_Fingerprint", unseen_only: bool, in_place_counts: bool) -> bool:
-        """Whether the values changed (a tensor replaced by an equal one, as Swin's window size is at every trace, did
-        not); with ``unseen_only``, only where no in-place op of the same tensor counted it (the exporter names those).
-        With ``in_place_counts`` an in-place op counts even where it left the values as they were (a parameter's
-        clamp or renormalisation does so from its second run on)."""
-        if now.values == self.values:
-            return in_place_counts and not unseen_only and now.identity == self.identity and now.version != self.version
-        return not unseen_only or now.identity != self.identity or now.version == self.version
-
-
-def _comparable(value) -> bool:
-    """Whether a change of ``value`` can be judged: Python numbers, strings, None, and tuples of them."""
-    if isinstance(value, tuple):
-        return all(map(_comparable, value))
-    return value is None or isinstance(value, (bool, int, float, str))
-
-
-def _module_state(wrapper: torch.nn.Module, attributes=True) -> dict:
-    """{(kind, qualified name): fingerprint or value} of what a forward could change in its modules (and in the loss,
-    a module or an object with state of its own) without the trace recording it: parameters, buffers, and with
-    ``attributes`` tensor and Python attributes and the variables the modules' forward hooks close over (a warm-up
-    counter). BatchNorm's running statistics are left out: the graph updates them as torch does."""
-    state = {}
-    owners = [(path, layer) for path, layer in wrapper.named_modules() if path]
-    loss_owner = getattr(wrapper.loss_fn, "__self__", wrapper.loss_fn)  # a bound method's object
-    if not isinstance(loss_owner, torch.nn.Module) and hasattr(loss_owner, "__dict__"):  # a function's is its attributes
-        owners.append(("loss_fn", loss_owner))
-    for path, owner in owners:
-        prefix = "" if path == "model" else path.removeprefix(_WRAPPED) + "."
-        for name, value in vars(owner).items() if attributes else ():
-            if name in _MODULE_INTERNALS:
-                continue
-            if isinstance(value, torch.Tensor):
-                state[("tensor attribute", prefix + name)] = _Fingerprint.of(value)
-            elif _comparable(value):
-                state[("attribute", prefix + name)] = value
-        if not isinstance(owner, torch.nn.Module):
-            continue
-        if attributes:
-            state.update(_hook_variables(owner, prefix.rstrip(".") or "the model"))
-        tracked = not isinstance(owner, torch.nn.modules.batchnorm._BatchNorm)
-        for kind, tensors in (("buffer", owner._buffers if tracked else {}), ("parameter", owner._parameters)):
-            for name, tensor in tensors.items():
-                if tensor is not None:
-                    state[(kind, prefix + name)] = _Fingerprint.of(tensor)
-    return state
-
-
-def _hook_variables(layer: torch.nn.Module, where: str) -> dict:
-    """{("hook variable", description): value} of the Python numbers and strings (alone or in a dict) that the forward
-    hooks of ``layer`` close over."""
-    found = {}
-    for hook in [*layer._forward_pre_hooks.values(), *layer._forward_hooks.values()]:
-        code, cells = getattr(hook, "__code__", None), getattr(hook, "__closure__", None) or ()
-        for name, cell in zip(code.co_freevars if code else (), cells):
-            try:
-                value = cell.cell_contents
-            except ValueError:  # a cell not yet filled
-                continue
-            items = value.items() if isinstance(value, dict) else [(None, value)]
-            for key, item in items:
-                if _comparable(item):
-                    variable = name if key is None else f"{name}[{key!r}]"
-                    found[("hook variable", f"{variable}, a variable of the forward hook {hook.__qualname__} of module "
-                                            f"'{where}'")] = item  # fmt: skip
-    return found
-
-
-def _state_changes(before: dict, wrapper: torch.nn.Module, unseen_only: bool) -> list:
-    """What forward changed of ``before`` (``_module_state``, taken with ``attributes`` unless ``unseen_only``), one line
-    each; with ``unseen_only`` only tensors changed where their version counter did not count it."""
-    after = _module_state(wrapper, attributes=not unseen_only)
-    changes = []
-    for (kind, name), value in before.items():
-        now = after.get((kind, name), _ABSENT)
-        tensor = isinstance(value, _Fingerprint)
-        if now is _ABSENT or (not value.changed(now, unseen_only, kind == "parameter") if tensor else now == value):
-            continue
-        if not tensor:
-            changes.append(f"{name if kind == 'hook variable' else f'{kind} {name!r}'}: {value!r} -> {now!r}")
-        elif kind == "parameter":
-            changes.append(f"parameter '{name}': its values changed in forward (a .data update, F.embedding's max_norm "
-                           "renormalising rows)")
-        else:
-            changes.append(f"{kind} '{name}': reassigned or changed through .data")
-    return changes
-
-
-def _refuse_state_changes(before: dict, model, wrapper, unseen_only=False) -> None:
+def _refuse_state_changes(before: dict, model, loss_fn, unseen_only=False) -> None:
     """Refuses a forward that changed its modules' state in a way the graph cannot: torch carries the change into
     the next step (a counter that later takes a branch, a buffer's running value, a clamped weight), the graph
-    starts every step from the state it was traced with. ``unseen_only``: see ``_state_changes``."""
-    changes = _state_changes(before, wrapper, unseen_only)
+    starts every step from the state it was traced with. ``unseen_only``: see ``forward_effects.state_changes``."""
+    changes = forward_effects.state_changes(before, model, loss_fn, unseen_only)
     if changes:
         raise ExportError(
             f"{type(model).__name__}'s forward or loss changes its own state, which the graph cannot: torch would carry "
@@ -994,7 +750,7 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
     """
     wrapper = with_loss(model, loss_fn, forward_names, constants)
     devices = [inputs[0].device.index or 0] if inputs and inputs[0].is_cuda else []
-    states_before, module_state_before = _states_outside_torch(), _module_state(wrapper)
+    states_before, module_state_before = forward_effects.generator_states(), forward_effects.module_state(model, loss_fn)
 
     def export_once():
         return _traced_export(model, wrapper, inputs, desc_inputs, desc_outputs, opset, with_weights, devices)
@@ -1003,7 +759,7 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
     mismatch = _outputs_differing_by_mode(model, wrapper, desc_outputs)
     if mismatch:
         raise mismatch
-    _refuse_state_changes(module_state_before, model, wrapper)  # first: the draws' exports put the tensors back
+    _refuse_state_changes(module_state_before, model, loss_fn)  # first: the draws' exports put the tensors back
     _refuse_draws_outside_torch(states_before, model, wrapper, inputs, devices, serialized, export_once)
     exported = onnx.load_from_string(serialized)
     _strip_wrapper_prefix(exported)

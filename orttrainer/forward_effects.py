@@ -1,0 +1,271 @@
+"""What a forward does that its trace cannot record, and where in the user's code it does it.
+
+A trace records tensor ops. Two kinds of effect escape it, and a graph built from it would start every step from
+the first step's world while torch's loop carries on:
+
+- draws from generators outside torch (Python's random module, numpy's global generator): the trace keeps the
+  first draw's result as a constant (``generators_drawn``; ``draws_decide_nothing`` exports again with the draws
+  forced to either end of their range; ``draw_locations`` finds the lines);
+- changes to the modules' own state: Python attributes, tensors replaced or changed through ``.data``, parameters
+  changed in forward, the variables forward hooks close over (``module_state`` before, ``state_changes`` after).
+
+export.py takes these snapshots around its runs of forward and refuses with what they find; ``user_location``
+names the user's line of a finding or of an exporter warning.
+"""
+
+import contextlib
+import linecache
+import os
+import random
+import sys
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import torch
+
+_TORCH_DIRECTORY = os.path.dirname(torch.__file__) + os.sep
+ORTTRAINER_DIRECTORY = os.path.dirname(__file__) + os.sep
+_MISSING = object()
+
+
+def user_location(frame=None) -> str:
+    """'file:line: source' of the innermost frame outside torch, Python's warnings and random modules and orttrainer,
+    from ``frame`` (default: the caller's) outwards."""
+    frame = frame or sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if is_users_code(filename):
+            source = linecache.getline(filename, frame.f_lineno).strip()
+            return f"{filename}:{frame.f_lineno}" + (f": {source}" if source else "")
+        frame = frame.f_back
+    return "(unknown location)"
+
+
+@contextlib.contextmanager
+def tensors_kept(module: torch.nn.Module):
+    """``module``'s parameters and buffers as they were before the block (forward in training mode moves BatchNorm's
+    statistics), put back by copying: not through its ``load_state_dict``, which its state_dict hooks may refuse."""
+    tensors = [*module.parameters(), *module.buffers()]
+    saved = [tensor.detach().clone() for tensor in tensors]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for tensor, value in zip(tensors, saved):
+                tensor.copy_(value)
+
+
+def generator_states() -> tuple:
+    """The states of the random generators forward may draw from unseen by the trace: Python's random module's
+    and numpy's global one (``np.random``)."""
+    return random.getstate(), np.random.get_state()
+
+
+def generators_drawn(before: tuple, after: tuple) -> list:
+    """The names of the generators whose states differ between ``before`` and ``after`` (``generator_states``)."""
+    drawn = [] if after[0] == before[0] else ["Python's random module"]
+    if not (np.array_equal(after[1][1], before[1][1]) and after[1][2:] == before[1][2:]):
+        drawn.append("numpy's global generator (np.random)")
+    return drawn
+
+
+def is_users_code(filename: str) -> bool:
+    """Whether code in ``filename`` is the user's: not torch's, orttrainer's, or Python's warnings or random modules."""
+    return not (filename.startswith(_TORCH_DIRECTORY) or filename.startswith(ORTTRAINER_DIRECTORY)
+                or filename in (warnings.__file__, random.__file__))  # fmt: skip
+
+
+def draw_locations(call, inputs, devices) -> list:
+    """The user's lines that draw from Python's random module or numpy's global generator in one run of ``call``.
+
+    A line tracer on the user's code compares the generators' states at each of its events: a change was made by
+    the user's line run last (numpy's generator methods are invisible to a profile hook)."""
+    found, last = {}, {"line": None, "states": generator_states()}
+
+    def trace_users_lines(frame, event, argument):
+        states = generator_states()
+        if last["line"] is not None and generators_drawn(last["states"], states):
+            found.setdefault(last["line"])
+        last["states"] = states
+        if event == "line":
+            last["line"] = user_location(frame)
+        return trace_users_lines
+
+    def trace_calls(frame, event, argument):
+        return trace_users_lines if is_users_code(frame.f_code.co_filename) else None
+
+    previous = sys.gettrace()
+    sys.settrace(trace_calls)
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            call(*inputs)
+    finally:
+        sys.settrace(previous)
+    return list(found)
+
+
+def draws_decide_nothing(serialized: bytes, export_again, module: torch.nn.Module, weight_prefix: str) -> bool:
+    """Whether the graph stays ``serialized`` when every uniform draw returns the lowest value of its range, and again
+    the highest: a draw compared with a probability of 0 (transformers' MusicGen draws LayerDrop's number at every
+    layer, whatever ``layerdrop``) decides nothing the graph holds. A draw the forcing does not reach (another
+    function of the generators) decides against. The module's tensors are put back after the two exports; the
+    graph's initializers named with ``weight_prefix`` are its weights and buffers, whose values the traces move."""
+    with tensors_kept(module):
+        for value in (0.0, 1.0 - 2.0**-53):
+            before = generator_states()
+            with _uniform_draws_forced_to(value):
+                again, _ = export_again()
+            changed = _computation(again, weight_prefix) != _computation(serialized, weight_prefix)
+            if changed or generators_drawn(before, generator_states()):
+                return False
+    return True
+
+
+def _computation(serialized: bytes, weight_prefix: str) -> bytes:
+    """An exported graph's nodes and the constants the trace made (not the module's weights and buffers, whose values
+    the traces move)."""
+    graph = onnx.load_from_string(serialized).graph
+    made = [init for init in graph.initializer if not init.name.startswith(weight_prefix)]
+    return b"".join(entry.SerializeToString() for entry in [*graph.node, *made])
+
+
+@contextlib.contextmanager
+def _uniform_draws_forced_to(value: float):
+    """Python's ``random.random``/``uniform`` and numpy's ``random``/``random_sample``/``rand``/``uniform`` return
+    ``value`` (in [0, 1), scaled to their range) in this block."""
+
+    def uniform(low=0.0, high=1.0, size=None):
+        drawn = low + (high - low) * value
+        return drawn if size is None else np.full(size, drawn)
+
+    forced = [(random, "random", lambda: value), (random, "uniform", lambda low, high: uniform(low, high)),
+              (np.random, "random", lambda size=None: uniform(size=size)),
+              (np.random, "random_sample", lambda size=None: uniform(size=size)),
+              (np.random, "rand", lambda *shape: uniform(size=shape or None)), (np.random, "uniform", uniform)]  # fmt: skip
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in forced]
+    try:
+        for owner, name, function in forced:
+            setattr(owner, name, function)
+        yield
+    finally:
+        for owner, name, function in saved:
+            setattr(owner, name, function)
+
+
+# Attributes every torch module has: torch's bookkeeping, which forward does not change as state of its own.
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+
+
+def _byte_sum(tensor: torch.Tensor) -> int:
+    """A sum of a tensor's bytes, taken eight at a time as int64 (wrapping): a change of its values moves it. Eight
+    at a time: a sum of single bytes took 0.65 s over GPT-2's weights (23M), this one 0.05-0.17 s."""
+    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    if data.storage_offset() % 8:
+        data = data.clone()
+    whole = data.numel() - data.numel() % 8
+    return int(data[:whole].view(torch.int64).sum()) + int(data[whole:].sum())
+
+
+@dataclass(frozen=True)
+class _Fingerprint:
+    """A tensor's values (dtype, shape and ``_byte_sum``), which forward may change by reassigning the tensor, through
+    ``.data`` (which the version counter does not see) or in place (which it counts), and who holds them."""
+
+    values: tuple
+    identity: int
+    version: int
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "_Fingerprint":
+        return cls((tensor.dtype, tuple(tensor.shape), _byte_sum(tensor)), id(tensor), tensor._version)
+
+    def changed(self, now: "_Fingerprint", unseen_only: bool, in_place_counts: bool) -> bool:
+        """Whether the values changed (a tensor replaced by an equal one, as Swin's window size is at every trace, did
+        not); with ``unseen_only``, only where no in-place op of the same tensor counted it (the exporter names those).
+        With ``in_place_counts`` an in-place op counts even where it left the values as they were (a parameter's
+        clamp or renormalisation does so from its second run on)."""
+        if now.values == self.values:
+            return in_place_counts and not unseen_only and now.identity == self.identity and now.version != self.version
+        return not unseen_only or now.identity != self.identity or now.version == self.version
+
+
+def _comparable(value) -> bool:
+    """Whether a change of ``value`` can be judged: Python numbers, strings, None, and tuples of them."""
+    if isinstance(value, tuple):
+        return all(map(_comparable, value))
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def module_state(model: torch.nn.Module, loss_fn, attributes=True) -> dict:
+    """{(kind, qualified name): fingerprint or value} of what a forward could change in ``model`` and ``loss_fn`` (a
+    module, or an object with state of its own) without the trace recording it: parameters, buffers, and with
+    ``attributes`` tensor and Python attributes and the variables the modules' forward hooks close over (a warm-up
+    counter). BatchNorm's running statistics are left out: the graph updates them as torch does."""
+    owners = list(model.named_modules())
+    loss_owner = getattr(loss_fn, "__self__", loss_fn)  # a bound method's object
+    if isinstance(loss_owner, torch.nn.Module):
+        owners += [(f"loss_fn.{path}".rstrip("."), layer) for path, layer in loss_owner.named_modules()]
+    elif hasattr(loss_owner, "__dict__"):  # a function's is its attributes
+        owners.append(("loss_fn", loss_owner))
+    state = {}
+    for path, owner in owners:
+        prefix = f"{path}." if path else ""
+        for name, value in vars(owner).items() if attributes else ():
+            if name in _MODULE_INTERNALS:
+                continue
+            if isinstance(value, torch.Tensor):
+                state[("tensor attribute", prefix + name)] = _Fingerprint.of(value)
+            elif _comparable(value):
+                state[("attribute", prefix + name)] = value
+        if not isinstance(owner, torch.nn.Module):
+            continue
+        if attributes:
+            state.update(_hook_variables(owner, path or "the model"))
+        tracked = not isinstance(owner, torch.nn.modules.batchnorm._BatchNorm)
+        for kind, tensors in (("buffer", owner._buffers if tracked else {}), ("parameter", owner._parameters)):
+            for name, tensor in tensors.items():
+                if tensor is not None:
+                    state[(kind, prefix + name)] = _Fingerprint.of(tensor)
+    return state
+
+
+def _hook_variables(layer: torch.nn.Module, where: str) -> dict:
+    """{("hook variable", description): value} of the Python numbers and strings (alone or in a dict) that the forward
+    hooks of ``layer`` close over."""
+    found = {}
+    for hook in [*layer._forward_pre_hooks.values(), *layer._forward_hooks.values()]:
+        code, cells = getattr(hook, "__code__", None), getattr(hook, "__closure__", None) or ()
+        for name, cell in zip(code.co_freevars if code else (), cells):
+            try:
+                value = cell.cell_contents
+            except ValueError:  # a cell not yet filled
+                continue
+            items = value.items() if isinstance(value, dict) else [(None, value)]
+            for key, item in items:
+                if _comparable(item):
+                    variable = name if key is None else f"{name}[{key!r}]"
+                    found[("hook variable", f"{variable}, a variable of the forward hook {hook.__qualname__} of module "
+                                            f"'{where}'")] = item  # fmt: skip
+    return found
+
+
+def state_changes(before: dict, model: torch.nn.Module, loss_fn, unseen_only: bool) -> list:
+    """What forward changed of ``before`` (``module_state``, taken with ``attributes`` unless ``unseen_only``), one line
+    each; with ``unseen_only`` only tensors changed where their version counter did not count it."""
+    after = module_state(model, loss_fn, attributes=not unseen_only)
+    changes = []
+    for (kind, name), value in before.items():
+        now = after.get((kind, name), _MISSING)
+        tensor = isinstance(value, _Fingerprint)
+        if now is _MISSING or (not value.changed(now, unseen_only, kind == "parameter") if tensor else now == value):
+            continue
+        if not tensor:
+            changes.append(f"{name if kind == 'hook variable' else f'{kind} {name!r}'}: {value!r} -> {now!r}")
+        elif kind == "parameter":
+            changes.append(f"parameter '{name}': its values changed in forward (a .data update, F.embedding's max_norm "
+                           "renormalising rows)")
+        else:
+            changes.append(f"{kind} '{name}': reassigned or changed through .data")
+    return changes
