@@ -292,7 +292,8 @@ def _torch_reference(source, exported) -> verify.Reference:
     # digests of the values: on the CPU the trainer's weight tensors are these very tensors, and a state_dict
     # loaded before the first step writes into them
     digests = {name: verify.weight_digest(tensor) for name, tensor in exported.state.items()}
-    return verify.Reference(source.module, source.forward_names, exported.constants, step, digests)
+    batch_digests = [verify.weight_digest(tensor) for tensor in exported.inputs]
+    return verify.Reference(source.module, source.forward_names, exported.constants, step, digests, batch_digests)
 
 
 def _in_graph(onnx_model, state: dict) -> list:

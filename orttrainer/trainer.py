@@ -282,7 +282,7 @@ class ORTTrainer:
         run_torch = functools.partial(verify.torch_step, reference.module, self.loss_fn, reference.forward_names, inputs,
                                       output_names=output_names, loss_name=self.model_desc.loss_output.name,
                                       trained=list(self._gradients.sums), constants=reference.constants)  # fmt: skip
-        torch_result = reference.step_on(runtime.weights, run_torch)
+        torch_result = reference.step_on(runtime.weights, inputs, run_torch)
         bound_before = self._gradients.bound
         gradients = {name: torch.empty_like(grad) for name, grad in self._gradients.sums.items()}
         runtime.dropout_scale.fill_(0.0)

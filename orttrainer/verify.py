@@ -165,16 +165,20 @@ class ModuleCall:
 @dataclass
 class Reference(ModuleCall):
     """The torch side of a graph's first-step check: the module, and torch's step taken when the graph
-    was built (before ONNX Runtime held any memory: the two would otherwise add up) on weights whose
-    bytes had the ``digests`` (not a copy: that would be the model's size again)."""
+    was built (before ONNX Runtime held any memory: the two would otherwise add up) on the batch whose
+    tensors had the ``batch_digests`` and weights whose bytes had the ``digests`` (not a copy: that would be
+    the model's size again)."""
 
     step: StepResult
     digests: dict  # name -> weight_digest of the tensor the step ran with
+    batch_digests: list  # weight_digest of each input of the batch the step ran on
 
-    def step_on(self, weights: dict, run_torch) -> StepResult:
-        """torch's step on ``weights``: the one taken at the build if they are the same, else ``run_torch(weights)``
-        (a state_dict loaded before the first step, rank 0's weights on the other ranks)."""
-        same = all(self.digests.get(name) == weight_digest(tensor) for name, tensor in weights.items())
+    def step_on(self, weights: dict, inputs, run_torch) -> StepResult:
+        """torch's step on ``weights`` and the batch ``inputs``: the one taken at the build if both are the same, else
+        ``run_torch(weights)`` (a state_dict loaded before the first step, rank 0's weights on the other ranks, a
+        graph built by an eval_step on another batch)."""
+        same_batch = [weight_digest(tensor) for tensor in inputs] == self.batch_digests
+        same = same_batch and all(self.digests.get(name) == weight_digest(tensor) for name, tensor in weights.items())
         return self.step if same else run_torch(weights)
 
 

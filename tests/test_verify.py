@@ -66,15 +66,22 @@ def gradient_one_percent_off(build):
     build.op("Mul", [scaled, build.op("CastLike", [positive, dy])], build.node.output[0])
 
 
-def test_the_trainer_check_catches_a_gradient_one_percent_off(monkeypatch):
+@pytest.mark.parametrize("evaluated_first", [None, 8, 5], ids=["train-first", "eval-same-shape-first", "eval-other-rows-first"])
+def test_the_trainer_check_catches_a_gradient_one_percent_off(monkeypatch, evaluated_first):
+    """Also when an eval_step on another batch built the graph: the check compared the training batch with torch's
+    step on the eval batch, taken at the build, and its rounding excuse then excused the fault (same shape), or
+    failed comparing tensors of different sizes (other rows)."""
     from orttrainer import cpu_kernels
 
     monkeypatch.setitem(cpu_kernels.FAST_CPU_KERNELS, "ReluGrad", gradient_one_percent_off)
     torch.manual_seed(0)
     trainer = ORTTrainer(MLP(), None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy,
                          options=ORTTrainerOptions({"device": {"id": "cpu"}}))
+    generator = torch.Generator().manual_seed(1)
+    if evaluated_first:
+        trainer.eval_step(*mlp_batch(batch=evaluated_first, generator=generator))
     with pytest.raises(TorchMismatchError, match=r"gradient of 'fc1.weight'"):
-        trainer.train_step(*mlp_batch())
+        trainer.train_step(*mlp_batch(generator=generator))
 
 
 def test_check_compares_with_the_weights_loaded_before_the_first_step():
