@@ -66,6 +66,7 @@ class TrainerState:
             },
             "train_step_info": {
                 "optimization_step": self.info.optimization_step, "step": self.info.step, "dropout_seed": self.seed,
+                "gradient_accumulation_steps": self.options.batch.gradient_accumulation_steps,
             },  # fmt: skip
             **self.gradients.accumulation_state(inside_window),
             **self._partition_state(),
@@ -90,6 +91,7 @@ class TrainerState:
     def restore(self, state: dict, strict: bool) -> int:
         """Check all of ``state`` against the trainer's, then apply it; return the dropout seed to use."""
         current = self.capture()
+        refuse_torch_layout(state, {*current["model"]["full_precision"], *self.runtime.aliases})
         for group in ("model", "optimizer", "train_step_info"):
             if group not in state:
                 warnings.warn(f"Missing key: {group} in state_dict")
@@ -153,10 +155,32 @@ class TrainerState:
                 f"split over {self.world.size} ranks (each would add all of it): resume it in one process, or save at a "
                 "window boundary"
             )
+        if "gradient_accumulation" in state:
+            self._refuse_other_window(state)
         return {
             name: _checked_tensor(value, full_precision[name], f"state_dict[gradient_accumulation][{name}]")
             for name, value in state.get("gradient_accumulation", {}).items()
         }
+
+    def _refuse_other_window(self, state) -> None:
+        """A partial gradient sum belongs to a window of the saving trainer's size and loss scaling: completed by a
+        trainer of another size it would be divided by the wrong count, and a float16 trainer's sum is scaled by its
+        loss scale."""
+        saved_steps = state.get("train_step_info", {}).get("gradient_accumulation_steps")
+        steps = self.options.batch.gradient_accumulation_steps
+        saved_mixed = state.get("trainer_options", {}).get("mixed_precision")
+        mixed = self.options.mixed_precision.enabled
+        problems = []
+        if saved_steps is not None and int(saved_steps) != steps:
+            problems.append(f"batch.gradient_accumulation_steps was {int(saved_steps)} there, {steps} here")
+        if saved_mixed is not None and bool(saved_mixed) != mixed:
+            problems.append(f"mixed_precision.enabled was {bool(saved_mixed)} there (its sum is scaled by the loss scale "
+                            f"when True), {mixed} here")
+        if problems:
+            raise ValueError(
+                "this state_dict was taken inside a gradient-accumulation window of a trainer set up otherwise: "
+                + "; ".join(problems) + ". Resume it with the same options, or save at a window boundary"
+            )
 
     def _restore_step_info(self, info) -> int:
         if info is None:
@@ -166,10 +190,25 @@ class TrainerState:
         return int(info["dropout_seed"]) if "dropout_seed" in info else self.seed
 
 
+def refuse_torch_layout(state: dict, weight_names) -> None:
+    """A torch module's state_dict ({weight name: tensor}, ``state_dict(pytorch_format=True)``) is not the trainer's
+    layout: loaded as one, it loaded nothing (a warning per missing group, whatever ``strict``)."""
+    flat = [name for name in state if name in weight_names]
+    if flat:
+        shown = ", ".join(repr(name) for name in flat[:3]) + (", ..." if len(flat) > 3 else "")
+        raise ValueError(
+            f"state_dict has weights at its top level ({shown}): it is a torch module's state_dict "
+            "(state_dict(pytorch_format=True)), where load_state_dict takes the trainer's state_dict() layout; pass "
+            "{'model': {'full_precision': that dict}} to load its weights, or load it into the module before the "
+            "trainer's first step"
+        )
+
+
 def check_against_module(state: dict, module: torch.nn.Module, strict: bool) -> None:
     """Before the build: every weight in ``state`` must be a tensor of ``module`` with its shape and
     dtype (a missing weight can only be told once the graph says which weights the trainer holds)."""
     own = module.state_dict()
+    refuse_torch_layout(state, own)
     for name, value in state.get("model", {}).get("full_precision", {}).items():
         if name in own:
             _checked_tensor(value, own[name].detach().cpu().numpy(), f"state_dict[model][full_precision][{name}]")

@@ -16,6 +16,7 @@ import functools
 import hashlib
 import inspect
 import warnings
+from dataclasses import dataclass
 
 import onnx
 import onnxruntime
@@ -103,6 +104,27 @@ def _first_names(names, shown=6) -> str:
     return f"{listed}, ... ({len(names)} in all)" if len(names) > shown else listed or "none"
 
 
+@dataclass(eq=False)
+class _Trainability:
+    """Which of a torch model's weights train (``requires_grad``) and in which mode its modules run (``training``, True
+    throughout for a model in eval(): it trains in train() mode), over lists of its parameters and modules kept at the
+    build (a list is read in ~30 ns a weight, ``module.parameters()`` walks the module tree)."""
+
+    parameters: list
+    modules: list
+    requires_grad: list
+    training: list
+
+    def __eq__(self, other) -> bool:
+        return self.requires_grad == other.requires_grad and self.training == other.training
+
+
+def _trainability(parameters: list, modules: list) -> _Trainability:
+    trains_all = not modules[0].training
+    return _Trainability(parameters, modules, [parameter.requires_grad for parameter in parameters],
+                         [trains_all or module.training for module in modules])  # fmt: skip
+
+
 def _accepts_two_arguments(function) -> bool:
     try:
         inspect.signature(function).bind(None, None)
@@ -137,7 +159,7 @@ class ORTTrainer:
         self._providers = session.device_providers(self._device, self.options.device.mem_limit, self.options.provider_options)
         self._train_step_info = TrainStepInfo(optim_config)
         self._torch_model = model if isinstance(model, torch.nn.Module) else None
-        self._requires_grad = None  # the torch model's parameters and their requires_grad at the build
+        self._built_for = None  # the torch model's _Trainability when the graphs were built
         self._runtime = self._gradients = self._optimizer = None  # set by the build
         self._load_state_dict = None  # a state_dict loaded before the build, which applies it
         self._seed = torch.initial_seed() % (1 << 63)
@@ -199,8 +221,7 @@ class ORTTrainer:
         if self._data_parallel is not None:
             self._seed = distributed.gather_objects(self._world, self._seed)[0]  # rank 0's, as a checkpoint keeps it
         if self._torch_model is not None and self._runtime is None:  # the weights the graphs were built to train
-            parameters = list(self._torch_model.parameters())
-            self._requires_grad = parameters, [parameter.requires_grad for parameter in parameters]
+            self._built_for = _trainability(list(self._torch_model.parameters()), list(self._torch_model.modules()))
         gradients = Gradients(runtime)
         optimizer = _update.make_optimizer(self.optim_config.naming_tied_weights(runtime.aliases),
                                            {name: runtime.weights[name] for name in runtime.owned},
@@ -240,20 +261,22 @@ class ORTTrainer:
 
     def _refuse_changed_trainability(self) -> None:
         """The user's module must still have requires_grad where it had it when the graphs were built (its first
-        step): the graphs train the weights chosen then, and would go on training one frozen since, or leave one
-        unfrozen since as it was, without a word."""
+        step), and its modules the train/eval modes: the graphs train the weights chosen then, in the modes traced
+        then, and went on training a weight frozen since, or a BatchNorm put in eval() since on its batch's
+        statistics, without a word."""
         if self._torch_model is None:
             return
-        parameters, flags = self._requires_grad
-        now = [parameter.requires_grad for parameter in parameters]  # a list, not .parameters(): ~30 ns a weight
-        if now == flags:
+        built, now = self._built_for, _trainability(self._built_for.parameters, self._built_for.modules)
+        if now == built:
             return
-        changed = [f"'{name}' ({before} -> {after})" for (name, _), before, after
-                   in zip(self._torch_model.named_parameters(), flags, now) if before != after]  # fmt: skip
+        changed = [f"requires_grad of '{name}' went {before} -> {after}" for (name, _), before, after
+                   in zip(self._torch_model.named_parameters(), built.requires_grad, now.requires_grad) if before != after]
+        changed += [f"module '{name or 'the model'}' was put in {'train' if after else 'eval'}()" for (name, _), before, after
+                    in zip(self._torch_model.named_modules(), built.training, now.training) if before != after]  # fmt: skip
         raise ValueError(
-            f"requires_grad of {', '.join(changed) or 'the module parameters'} changed since the trainer's first step, which "
-            "chose the weights its graphs train: freeze weights when creating the trainer (requires_grad or options "
-            "utils.frozen_weights), or create a new trainer to train others"
+            f"since the trainer's first step, {'; '.join(changed) or 'the module changed'}: its graphs train the weights "
+            "and run the modes of that step. Freeze weights and set modes before creating the trainer (requires_grad "
+            "or options utils.frozen_weights; eval() on a submodule), or create a new trainer"
         )
 
     def _run_training_graph(self, inputs, gradient_buffers):

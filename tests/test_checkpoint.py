@@ -363,3 +363,48 @@ def test_a_mid_window_checkpoint_is_refused_on_several_ranks_and_changes_nothing
         resumed.load_state_dict(state)
     for name, value in resumed.state_dict(pytorch_format=True).items():
         assert torch.equal(value, before[name]), name
+
+
+@pytest.mark.parametrize("built", [False, True], ids=["before-the-first-step", "after"])
+def test_a_torch_module_state_dict_given_to_load_state_dict_is_refused_saying_how_to_load_it(built):
+    """The flat {name: tensor} of state_dict(pytorch_format=True) loaded nothing, whatever strict: one warning per
+    missing group, and training went on from the old weights."""
+    trainer = ORTTrainer(MLP(), None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
+    if built:
+        trainer.train_step(*mlp_batch())
+    with pytest.raises(ValueError, match=r"state_dict has weights at its top level \('fc1.weight', 'fc1.bias', 'fc2.weight'"
+                                         r", \.\.\.\): it is a torch module's state_dict .* pass \{'model': "
+                                         r"\{'full_precision': that dict\}\}"):  # fmt: skip
+        trainer.load_state_dict(MLP().state_dict())
+
+
+def _mid_window_state(mixed_precision):
+    options = cpu_options({"batch": {"gradient_accumulation_steps": 2}, "mixed_precision": {"enabled": mixed_precision}})
+    trainer = ORTTrainer(MLP(), None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=options)
+    trainer.train_step(*mlp_batch())
+    return trainer.state_dict()
+
+
+@pytest.mark.parametrize("saved, loaded, message", [
+    ({"mixed_precision": False}, {"batch": {"gradient_accumulation_steps": 4}},
+     r"batch.gradient_accumulation_steps was 2 there, 4 here"),
+    ({"mixed_precision": True}, {"batch": {"gradient_accumulation_steps": 2}},
+     r"mixed_precision.enabled was True there \(its sum is scaled by the loss scale when True\), False here"),
+    ({"mixed_precision": False}, {"batch": {"gradient_accumulation_steps": 2}, "mixed_precision": {"enabled": True}},
+     r"mixed_precision.enabled was False there .*, True here"),
+], ids=["other-window-size", "float16-into-float32", "float32-into-float16"])  # fmt: skip
+def test_a_mid_window_state_into_a_trainer_set_up_otherwise_is_refused_and_changes_nothing(saved, loaded, message):
+    """The partial gradient sum belongs to the saving trainer's window: completed by a window of another size it was
+    divided by the wrong count (an update one call early), and a float16 trainer's sum is scaled by its loss scale
+    (weights 11 off after the window)."""
+    state = _mid_window_state(**saved)
+    trainer = ORTTrainer(MLP(), None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options(loaded))
+    trainer.train_step(*mlp_batch())
+    before = trainer.state_dict()
+    with pytest.raises(ValueError, match=rf"taken inside a gradient-accumulation window of a trainer set up otherwise: "
+                                         rf"{message}\. Resume it with the same options"):  # fmt: skip
+        trainer.load_state_dict(state)
+    after = trainer.state_dict()
+    assert after["train_step_info"] == before["train_step_info"]
+    for name, value in before["model"]["full_precision"].items():
+        np.testing.assert_array_equal(after["model"]["full_precision"][name], value)

@@ -709,10 +709,27 @@ def test_requires_grad_changed_on_the_module_after_the_first_step_is_refused_nam
     trainer.train_step(*mlp_batch())
     model.fc1.weight.requires_grad_(frozen_first)
     before = trainer.state_dict(pytorch_format=True)
-    with pytest.raises(ValueError, match=rf"requires_grad of 'fc1.weight' \({not frozen_first} -> {frozen_first}\) changed "
-                                         r"since the trainer's first step"):  # fmt: skip
+    with pytest.raises(ValueError, match=rf"since the trainer's first step, requires_grad of 'fc1.weight' went "
+                                         rf"{not frozen_first} -> {frozen_first}: its graphs train"):  # fmt: skip
         trainer.train_step(*mlp_batch())
     assert_close_state_dicts(trainer.state_dict(pytorch_format=True), before)
+
+
+@pytest.mark.parametrize("whole_model", [False, True], ids=["batch-norm-frozen-later", "model-in-eval-later"])
+def test_a_module_put_in_eval_after_the_first_step_is_refused_unless_the_whole_model(whole_model):
+    """A BatchNorm frozen after some steps (a detector's fine-tuning) runs on its running statistics in torch's loop;
+    the trainer's graphs kept normalising by the batch, without a word. A whole model in eval() trains in train() mode,
+    as the legacy ORTTrainer did (and as a model in eval() at the first step does)."""
+    model = CNN()
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
+    trainer.train_step(*cnn_batch())
+    (model if whole_model else model.features[1]).eval()
+    if whole_model:
+        trainer.train_step(*cnn_batch())
+        return
+    with pytest.raises(ValueError, match=r"since the trainer's first step, module 'features.1' was put in eval\(\): its "
+                                         r"graphs train the weights and run the modes of that step"):  # fmt: skip
+        trainer.train_step(*cnn_batch())
 
 
 def assert_close_state_dicts(now: dict, before: dict) -> None:
