@@ -198,7 +198,9 @@ class ORTTrainer:
         exports and may build), and the trainer's model_desc becomes that graph's."""
         input_names, inputs, constants = self._match_inputs(args, kwargs)
         if self._graphs is not None:
-            runtime = self._graphs.runtime_for(input_names, inputs, constants)
+            with torch.inference_mode(False):  # graphs are exported with autograd on, which inference tensors refuse
+                exportable = [tensor.clone() if tensor.is_inference() else tensor for tensor in inputs]
+                runtime = self._graphs.runtime_for(input_names, exportable, constants)
             if self._runtime is None:
                 self._adopt(runtime)
                 input_names, inputs, _ = self._match_inputs(args, kwargs)  # now checked against the typed model_desc

@@ -732,6 +732,24 @@ def test_a_module_put_in_eval_after_the_first_step_is_refused_unless_the_whole_m
         trainer.train_step(*cnn_batch())
 
 
+def test_eval_step_under_inference_mode_builds_its_graphs_and_evaluates_like_torch():
+    """A common validation idiom: eval_step under torch.inference_mode(), whose tensors autograd refuses, when it has to
+    build a graph (the first step, a new batch shape) failed with torch's "Inference tensors do not track version
+    counter", which did not name inference_mode."""
+    torch.manual_seed(0)
+    model = MLP()
+    reference = copy.deepcopy(model).eval()
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
+    generator = torch.Generator().manual_seed(0)
+    for rows in (8, 5):  # the first graph, then one of another shape
+        x, label = mlp_batch(batch=rows, generator=generator)
+        with torch.inference_mode():
+            loss, logits = trainer.eval_step(x, label)
+        with torch.no_grad():
+            torch.testing.assert_close(logits, reference(x))
+            torch.testing.assert_close(loss, F.cross_entropy(reference(x), label))
+
+
 def assert_close_state_dicts(now: dict, before: dict) -> None:
     assert now.keys() == before.keys()
     for name, tensor in now.items():
