@@ -147,7 +147,19 @@ def forward_keywords(model: torch.nn.Module) -> list:
     ``**kwargs`` is annotated with (transformers' ``**kwargs: Unpack[TransformersKwargs]``: output_hidden_states, ...)."""
     parameters = forward_parameters(model)
     named = [name for name, parameter in parameters.items() if parameter.kind in _BY_KEYWORD]
-    return named + [name for name in _typed_keywords(parameters) if name not in named]
+    wrapped = _WRAPPER_KEYWORDS if _pops_return_dict(getattr(model.forward, "__func__", model.forward)) else []
+    return named + [name for name in _typed_keywords(parameters) + wrapped if name not in named]
+
+
+_WRAPPER_KEYWORDS = ["return_dict"]  # what transformers' can_return_tuple takes off a forward's keywords
+
+
+def _pops_return_dict(function) -> bool:
+    """Whether ``function`` is a wrapper that takes ``return_dict`` off the keywords before calling the forward it
+    wraps (transformers' ``can_return_tuple``: its signature is the wrapped forward's, which has no such parameter)."""
+    code = getattr(function, "__code__", None)
+    return (hasattr(function, "__wrapped__") and code is not None and "return_dict" in code.co_varnames
+            and "pop" in code.co_names)  # fmt: skip
 
 
 def _typed_keywords(parameters: dict) -> list:

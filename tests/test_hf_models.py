@@ -372,6 +372,28 @@ def test_output_hidden_states_changed_between_steps_gives_what_torch_gives():
                          "eval_step")  # fmt: skip
 
 
+def test_return_dict_false_gives_the_tuple_torch_gives():
+    """transformers 5 takes return_dict in a decorator (can_return_tuple) around forward, whose own signature has no
+    such parameter: the key was refused as unknown."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    model = _transformers().BertForSequenceClassification(_bert_config(num_labels=3))
+    reference = copy.deepcopy(model)
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=LR), options=cpu_options())
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    for step in range(1, 3):
+        batch = classification_batch(generator)
+        loss, logits = trainer.train_step(**batch, return_dict=False)
+        expected = reference(**batch, return_dict=False)
+        assert isinstance(expected, tuple)
+        expected[0].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        _close(loss, expected[0], f"step {step} loss")
+        _close(logits, expected[1], f"step {step} logits")
+        assert_close_state(trainer, reference, step=step)
+
+
 class TwoHeadTagger(Tagger):
     """Its ``head`` keyword picks the head: another value trains other weights."""
 
