@@ -15,6 +15,7 @@ import difflib
 import functools
 import hashlib
 import inspect
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -160,6 +161,7 @@ class ORTTrainer:
         self._train_step_info = TrainStepInfo(optim_config)
         self._torch_model = model if isinstance(model, torch.nn.Module) else None
         self._built_for = None  # the torch model's _Trainability when the graphs were built
+        self._window_steps = None  # batch.gradient_accumulation_steps at the last train_step
         self._runtime = self._gradients = self._optimizer = None  # set by the build
         self._load_state_dict = None  # a state_dict loaded before the build, which applies it
         self._seed = torch.initial_seed() % (1 << 63)
@@ -245,7 +247,7 @@ class ORTTrainer:
         if self._runtime.reference is not None:
             self._check_against_torch(inputs)
         info = self._train_step_info
-        accumulation = self.options.batch.gradient_accumulation_steps
+        accumulation = self._accumulation_steps(info.step)
         starts_window = info.step % accumulation == 0
         onnxruntime.set_seed(self._dropout_seed(info.step + 1))
         outputs = self._run_training_graph(inputs, self._gradients.buffers_for(starts_window))
@@ -260,6 +262,21 @@ class ORTTrainer:
         if info.step % accumulation == 0 and self._update_weights(lr, accumulation):
             info.optimization_step += 1
         return self._select_outputs(outputs, requested)
+
+    def _accumulation_steps(self, step: int) -> int:
+        """``batch.gradient_accumulation_steps``, which may change only where a window of the old size ends and one of
+        the new size starts (windows are the steps' multiples of it): elsewhere the partial sum of the open window
+        would be divided by the new count, or the gradients of the last update counted again."""
+        steps, before = self.options.batch.gradient_accumulation_steps, self._window_steps
+        if before is not None and steps != before and (step % before or step % steps):
+            both = math.lcm(before, steps)
+            raise ValueError(
+                f"options batch.gradient_accumulation_steps changed from {before} to {steps} at train_step {step + 1}: "
+                "windows are the steps' multiples of it, so it may change only after a step that is a multiple of both "
+                f"(the next: step {-(-step // both) * both}); change it there, or create a new trainer"
+            )
+        self._window_steps = steps
+        return steps
 
     def _refuse_changed_trainability(self) -> None:
         """The user's module must still have requires_grad where it had it when the graphs were built (its first

@@ -71,3 +71,33 @@ def test_warmup_schedule_counts_completed_updates():
         trainer.train_step(*mlp_batch())
         seen.append(scheduler.get_last_lr()[0])
     assert seen == pytest.approx([0, 0, 0.2, 0.2, 0.4, 0.4])
+
+
+def test_accumulation_steps_changed_inside_a_window_is_refused_and_changed_where_windows_meet_trains_like_torch():
+    """Windows are the steps' multiples of gradient_accumulation_steps; changed elsewhere (2 -> 4 after step 2), the
+    new window re-summed the gradients of the update already applied, without a word. Changed after step 4, a multiple
+    of both, the next window is 4 micro-batches, as a torch loop that changes its window there."""
+    torch.manual_seed(0)
+    model = MLP()
+    reference = copy.deepcopy(model)
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy,
+                         options=cpu_options({"batch": {"gradient_accumulation_steps": 2}}))  # fmt: skip
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(0)
+    batches = [mlp_batch(generator=generator) for _ in range(8)]
+    for step, (x, label) in enumerate(batches, 1):
+        if step == 3:
+            trainer.options.batch.gradient_accumulation_steps = 4
+            with pytest.raises(ValueError, match=r"changed from 2 to 4 at train_step 3: .* \(the next: step 4\)"):
+                trainer.train_step(x, label)
+            trainer.options.batch.gradient_accumulation_steps = 2
+        if step == 5:
+            trainer.options.batch.gradient_accumulation_steps = 4
+        window = 2 if step <= 4 else 4
+        trainer.train_step(x, label)
+        (F.cross_entropy(reference(x), label) / window).backward()
+        if step % window == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+    assert trainer._train_step_info.optimization_step == 3
+    assert_close_state(trainer, reference)
