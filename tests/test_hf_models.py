@@ -351,10 +351,7 @@ def test_output_hidden_states_changed_between_steps_gives_what_torch_gives():
     """A transformers flag (forward's **kwargs: Unpack[TransformersKwargs]) that changes the outputs: False, True, False."""
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1)
-    model = _transformers().BertForSequenceClassification(_bert_config(num_labels=3))
-    reference = copy.deepcopy(model)
-    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=LR), options=cpu_options())
-    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    trainer, reference, optimizer = _side_by_side(_transformers().BertForSequenceClassification(_bert_config(num_labels=3)))
     for step, hidden in enumerate((False, True, False), 1):
         batch = classification_batch(generator)
         outputs = trainer.train_step(**batch, output_hidden_states=hidden)
@@ -377,10 +374,7 @@ def test_return_dict_false_gives_the_tuple_torch_gives():
     such parameter: the key was refused as unknown."""
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1)
-    model = _transformers().BertForSequenceClassification(_bert_config(num_labels=3))
-    reference = copy.deepcopy(model)
-    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=LR), options=cpu_options())
-    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    trainer, reference, optimizer = _side_by_side(_transformers().BertForSequenceClassification(_bert_config(num_labels=3)))
     for step in range(1, 3):
         batch = classification_batch(generator)
         loss, logits = trainer.train_step(**batch, return_dict=False)
