@@ -554,9 +554,8 @@ def test_a_draw_that_decides_nothing_trains_like_torch(numpy):
     the draw (exported again with the draws forced to either end of their range), so it is not refused."""
     torch.manual_seed(0)
     random.seed(0)
-    run_parity(LayerDropDrawnWithPython(layerdrop=0.0, numpy=numpy), batches(lambda generator: (
-        torch.randn(3, 4, generator=generator), torch.randn(3, 4, generator=generator))), optim.SGDConfig(lr=0.1), sgd,
-        loss_fn=F.mse_loss)  # fmt: skip
+    run_parity(LayerDropDrawnWithPython(layerdrop=0.0, numpy=numpy), _random_pairs(4, 4), optim.SGDConfig(lr=0.1), sgd,
+               loss_fn=F.mse_loss)  # fmt: skip
 
 
 class NoiseDrawnWithNumpy(nn.Module):
@@ -691,12 +690,8 @@ def test_a_forward_hook_over_constants_trains_like_torch():
 def test_forward_that_sets_an_attribute_to_the_same_value_every_step_trains_like_torch(change):
     """Not a change of state: transformers' Swin sets its window size from the input's resolution at every forward (a
     new but equal tensor at each trace; the values check's second export was refused for it)."""
-
-    def batch(generator):
-        return torch.randn(3, 4, generator=generator), torch.randn(3, 4, generator=generator)
-
     torch.manual_seed(0)
-    run_parity(StepCounter(change), batches(batch), optim.SGDConfig(lr=0.1), sgd, loss_fn=F.mse_loss)
+    run_parity(StepCounter(change), _random_pairs(4, 4), optim.SGDConfig(lr=0.1), sgd, loss_fn=F.mse_loss)
 
 
 @pytest.mark.parametrize("frozen_first", [False, True], ids=["frozen-later", "unfrozen-later"])
