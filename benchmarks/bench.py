@@ -20,7 +20,6 @@ import platform
 import resource
 import statistics
 import sys
-import tempfile
 import time
 from datetime import date
 from pathlib import Path
@@ -134,7 +133,7 @@ def _on_device_step(model, workload, batch):
     names = {init.name for init in exported.graph.initializer}
     requires_grad = [f"model.{name}" for name, _ in model.named_parameters() if f"model.{name}" in names]
     loss = artifacts.LossType.CrossEntropyLoss if classification else artifacts.LossType.MSELoss
-    module, optimizer = on_device_training(exported, requires_grad, loss, tempfile.mkdtemp())
+    module, optimizer = on_device_training(exported, requires_grad, loss)
     optimizer.set_learning_rate(ADAMW["lr"])
     timed_update = _Timed(optimizer.step)
 

@@ -52,13 +52,14 @@ def _alone_ms(node: onnx.NodeProto, input_shapes, opsets, runs: int) -> float:
     model = helper.make_model(helper.make_graph([node], "gemm", inputs, outputs), opset_imports=opsets, ir_version=9)
     options = session_options()  # as the trainer's sessions: torch's threads, no spinning
     options.enable_profiling = True
-    options.profile_file_prefix = os.path.join(tempfile.mkdtemp(), "alone")
-    session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     generator = np.random.default_rng(0)
     feeds = {name: generator.standard_normal(shape).astype(np.float32) for name, shape in zip(names, input_shapes)}
-    for _ in range(runs + 3):
-        session.run(None, feeds)
-    events = json.loads(open(session.end_profiling()).read())
+    with tempfile.TemporaryDirectory() as folder:
+        options.profile_file_prefix = os.path.join(folder, "alone")
+        session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        for _ in range(runs + 3):
+            session.run(None, feeds)
+        events = json.loads(open(session.end_profiling()).read())
     durations = [event["dur"] / 1e3 for event in events if event.get("cat") == "Node" and event["name"].endswith("_kernel_time")]
     return statistics.median(durations[3:])
 
@@ -66,9 +67,10 @@ def _alone_ms(node: onnx.NodeProto, input_shapes, opsets, runs: int) -> float:
 def gemm_efficiency(workload, steps: int):
     """Rows (op, input shapes, ms in graph, ms alone, GFLOP) per GEMM node, heaviest first, and the
     median ms of the whole run."""
-    optimized_path = os.path.join(tempfile.mkdtemp(), "optimized.onnx")
-    runs, kernels = profiled_kernels(workload, steps, optimized_path)
-    optimized = onnx.load(optimized_path)
+    with tempfile.TemporaryDirectory() as folder:
+        optimized_path = os.path.join(folder, "optimized.onnx")
+        runs, kernels = profiled_kernels(workload, steps, optimized_path)
+        optimized = onnx.load(optimized_path)
     nodes = {node.name: node for node in optimized.graph.node}
     in_graph, shapes = defaultdict(list), {}
     for events in kernels:

@@ -35,16 +35,17 @@ def profiled_kernels(workload, steps, optimized_model_path=""):
     torch.manual_seed(0)
     options = onnxruntime.SessionOptions()
     options.enable_profiling = True
-    options.profile_file_prefix = os.path.join(tempfile.mkdtemp(), "train")
     saved = {"graph_save_paths": {"model_with_training_graph_after_optimization_path": optimized_model_path}}
-    trainer = ORTTrainer(workload.make_model(), None, optim.AdamConfig(lr=1e-4, lambda_coef=0.01), loss_fn=workload.loss_fn,
-                         options=ORTTrainerOptions({"device": {"id": "cpu"},
-                                                    "utils": {"grad_norm_clip": False, "convolution_kernels": "onnxruntime"},
-                                                    "session_options": options, "debug": saved}))  # fmt: skip
     batches = _batches(workload)
-    for step in range(steps + 2):
-        trainer.train_step(*batches[step % len(batches)])
-    events = json.loads(open(trainer._train_session.session.end_profiling()).read())
+    with tempfile.TemporaryDirectory() as folder:
+        options.profile_file_prefix = os.path.join(folder, "train")
+        trainer = ORTTrainer(workload.make_model(), None, optim.AdamConfig(lr=1e-4, lambda_coef=0.01), loss_fn=workload.loss_fn,
+                             options=ORTTrainerOptions({"device": {"id": "cpu"},
+                                                        "utils": {"grad_norm_clip": False, "convolution_kernels": "onnxruntime"},
+                                                        "session_options": options, "debug": saved}))  # fmt: skip
+        for step in range(steps + 2):
+            trainer.train_step(*batches[step % len(batches)])
+        events = json.loads(open(trainer._train_session.session.end_profiling()).read())
     runs = [event for event in events if event.get("name") == "model_run"][2:]
     kernels = [[] for _ in runs]
     for event in events:

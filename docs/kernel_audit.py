@@ -97,24 +97,24 @@ def differing_nodes(folder: str, first: str, second: str) -> list:
 
 
 def audit(name: str) -> str:
-    folder = tempfile.mkdtemp(prefix="kernel_audit_")
-    step = [sys.executable, __file__, "--step"]
-    saved = subprocess.run(step + ["save", name, folder], capture_output=True, text=True)
-    if saved.returncode:
-        return f"{name}: could not build ({saved.stderr.strip().splitlines()[-1] if saved.stderr.strip() else saved.returncode})"
-    outputs = []
-    for fill in FILL_BYTES:
-        out = os.path.join(folder, f"run{fill}.npz")
-        env = {**os.environ, "MALLOC_PERTURB_": str(fill), "MALLOC_CHECK_": "3"}
-        run = subprocess.run(step + ["run", name, folder, out], capture_output=True, text=True, env=env)
-        if run.returncode:
-            return f"{name}: the run aborted (exit {run.returncode}): a write outside a buffer? {run.stderr.strip()[-200:]}"
-        outputs.append(out)
-    differing = differing_nodes(folder, *outputs)
-    if not differing:
-        return f"{name}: every output the same"
-    listed = "; ".join(f"{op_type} '{node}' -> {output}" for node, op_type, output in differing[:5])
-    return f"{name}: {len(differing)} outputs read memory never written, first: {listed}"
+    with tempfile.TemporaryDirectory(prefix="kernel_audit_") as folder:
+        step = [sys.executable, __file__, "--step"]
+        saved = subprocess.run(step + ["save", name, folder], capture_output=True, text=True)
+        if saved.returncode:
+            return f"{name}: could not build ({saved.stderr.strip().splitlines()[-1] if saved.stderr.strip() else saved.returncode})"
+        outputs = []
+        for fill in FILL_BYTES:
+            out = os.path.join(folder, f"run{fill}.npz")
+            env = {**os.environ, "MALLOC_PERTURB_": str(fill), "MALLOC_CHECK_": "3"}
+            run = subprocess.run(step + ["run", name, folder, out], capture_output=True, text=True, env=env)
+            if run.returncode:
+                return f"{name}: the run aborted (exit {run.returncode}): a write outside a buffer? {run.stderr.strip()[-200:]}"
+            outputs.append(out)
+        differing = differing_nodes(folder, *outputs)
+        if not differing:
+            return f"{name}: every output the same"
+        listed = "; ".join(f"{op_type} '{node}' -> {output}" for node, op_type, output in differing[:5])
+        return f"{name}: {len(differing)} outputs read memory never written, first: {listed}"
 
 
 def main():

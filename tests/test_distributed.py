@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -16,10 +17,17 @@ HERE = Path(__file__).parent
 ENV = subprocess_env(HERE)
 
 
+def launch(command, ranks, timeout):
+    """``command`` (a script and its arguments) in this interpreter, or under torchrun on ``ranks``
+    processes (its log folder removed after, not left in /tmp)."""
+    with tempfile.TemporaryDirectory() as logs:
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", f"--log-dir={logs}"]
+        return subprocess.run([*(torchrun if ranks > 1 else [sys.executable]), *map(str, command)], cwd=HERE, env=ENV,
+                              capture_output=True, text=True, timeout=timeout)
+
+
 def run(*args, ranks=1, check=True, timeout=300):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if ranks > 1 else [sys.executable]
-    result = subprocess.run([*launcher, str(HERE / "ddp_job.py"), *map(str, args)], cwd=HERE, env=ENV,
-                            capture_output=True, text=True, timeout=timeout)
+    result = launch([HERE / "ddp_job.py", *args], ranks, timeout)
     if check:
         assert result.returncode == 0, result.stderr[-4000:]
     return result
@@ -158,7 +166,6 @@ model = MLP(hidden=64 if rank == 0 else 32)
 trainer = ORTTrainer(model, None, optim.SGDConfig(), loss_fn=F.cross_entropy, options=ORTTrainerOptions({{"device": {{"id": "cpu"}}}}))
 trainer.train_step(*mlp_batch())
 """)
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
-                            env=ENV, capture_output=True, text=True, timeout=240)
+    result = launch([script], 2, timeout=240)
     assert result.returncode != 0
     assert "the model's weights (names, shapes, dtypes, which train) or the options differ between rank 0 and rank(s) [1]" in result.stderr

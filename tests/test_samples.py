@@ -50,7 +50,7 @@ def test_legacy_script_ported_as_from_legacy_md_shows_runs_here(tmp_path):
 
 def test_torchrun_sample_trains_on_two_ranks_with_zero(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(ROOT / "samples/torchrun_ddp.py"), "--epochs", "3", "--zero", "--checkpoint", str(tmp_path / "d.ortcp")]
+               f"--log-dir={tmp_path / 'logs'}", str(ROOT / "samples/torchrun_ddp.py"), "--epochs", "3", "--zero", "--checkpoint", str(tmp_path / "d.ortcp")]
     result = subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("test accuracy") == 1, "only rank 0 reports"
