@@ -812,6 +812,7 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
         gradient_of = _scale_loss(model, loss_name)
     stop_gradients(model, graph_trainable)
     _dropout_ratio_times_input(model, scalable=not mixed_precision)
+    rewrites.quotients_kept_apart(model)
     options = _quiet_session_options()
     optimized = onnx.load_from_string(get_optimized_model(model.SerializeToString(), set(graph_trainable), options))
     _add_outputs_needed_by_gradients(optimized)

@@ -1643,6 +1643,26 @@ def pairwise_extreme(build):
     return True
 
 
+def sum_of_quotients(build):
+    """Add(a, b) as Sub(a, Neg(b)): the same values bit for bit (IEEE subtraction adds the negation) and gradients.
+    For an Add of two Div outputs, which ONNX Runtime's training optimizer (ScaledSumFusion, inside
+    ``get_optimized_model``, which takes no list of transformers to skip) fuses into a ScaledSum when the divisors
+    are constant scalars: it has no CPU kernel (``a / 2 + b / 4`` was refused), multiplies by the reciprocal where
+    torch divides, and with a third Add after it reads the input of that Add's other producer instead of its output."""
+    a, b = build.node.input
+    build.op("Sub", [a, build.op("Neg", [b])], _output(build))
+    return True
+
+
+def quotients_kept_apart(model: onnx.ModelProto) -> list:
+    """Replace, in place, each Add of two Div outputs by ``sum_of_quotients``' form; return the rewritten node names.
+    For every training graph, before ONNX Runtime's training optimizer sees it."""
+    producers = {output: node.op_type for node in model.graph.node for output in node.output}
+    targets = [node for node in model.graph.node
+               if node.op_type == "Add" and all(producers.get(name) == "Div" for name in node.input)]  # fmt: skip
+    return replace_nodes(model, {"Add": sum_of_quotients}, targets) if targets else []
+
+
 REWRITES = {
     "Softplus": softplus,
     "Elu": elu,

@@ -15,19 +15,20 @@ def cpu_options(extra=None):
 
 
 def assert_close_state(trainer, reference: torch.nn.Module, atol=1e-5, rtol=1e-5, step=None):
-    """The trainer's state_dict has exactly the torch module's keys, every value equal."""
+    """The trainer's state_dict has exactly the torch module's keys, every value equal (NaN where torch's is)."""
     trained = trainer.state_dict(pytorch_format=True)
     expected = reference.state_dict()
     assert set(trained) == set(expected), f"missing {set(expected) - set(trained)}, unexpected {set(trained) - set(expected)}"
     for name, tensor in trained.items():
         torch.testing.assert_close(
-            tensor, expected[name], atol=atol, rtol=rtol, msg=lambda m: f"step {step}, '{name}': {m}"
+            tensor, expected[name], atol=atol, rtol=rtol, equal_nan=True, msg=lambda m: f"step {step}, '{name}': {m}"
         )
 
 
 def run_parity(model, batches, optim_config, torch_optimizer, loss_fn=None, options=None, model_desc=None,
                reference_loss=None, atol=1e-5):
-    """Train ``model`` with ORTTrainer and a deep copy with ``torch_optimizer``; compare every step.
+    """Train ``model`` with ORTTrainer and a deep copy with ``torch_optimizer``; compare every step (a NaN
+    loss or weight must be NaN on both sides).
 
     ``reference_loss(module, batch)`` computes the torch loss (default: loss_fn on the output).
     Returns the trainer and the reference module.
@@ -45,6 +46,7 @@ def run_parity(model, batches, optim_config, torch_optimizer, loss_fn=None, opti
             loss = reference_loss(reference, batch)
         loss.backward()
         optimizer.step()
-        torch.testing.assert_close(ort_loss, loss.detach(), atol=atol, rtol=1e-5, msg=lambda m: f"loss at step {step}: {m}")
+        torch.testing.assert_close(ort_loss, loss.detach(), atol=atol, rtol=1e-5, equal_nan=True,
+                                   msg=lambda m: f"loss at step {step}: {m}")  # fmt: skip
         assert_close_state(trainer, reference, atol=atol, step=step)
     return trainer, reference

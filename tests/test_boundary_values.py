@@ -1191,6 +1191,49 @@ def test_cross_entropy_with_label_smoothing_at_edge_values(reduction, weighted, 
     check_against_torch(model, function, values, ["x"], upstream, floor=1e-7)
 
 
+@pytest.mark.parametrize("loss", [F.cross_entropy, lambda x, *args, **kwargs: F.nll_loss(F.log_softmax(x, 1), *args, **kwargs)],
+                         ids=["cross_entropy", "nll_loss of log_softmax"])  # fmt: skip
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "class-weights"])
+@pytest.mark.parametrize("targets", [[0, 1, 3, 2, -100], [-100] * 5, [2, -100, 2, 2, -100]],
+                         ids=["ordinary", "all ignored", "only weight-0 classes"])  # fmt: skip
+def test_losses_over_class_indices_when_the_kept_weights_sum_to_zero(loss, reduction, weighted, targets):
+    """symbolics.losses._loss_over_targets: a mean divides by the weights of the targets kept, so a batch of ignored
+    targets only, or of targets whose class weight is 0 only, gives torch's 0 / 0 = NaN, and NaN gradients at the
+    targets of weight 0 (ONNX Runtime's own mean gave 0 and gradients of 0); -inf, huge and tied scores in the rows."""
+    inf = np.inf
+    rows = np.array([[0.0, -inf, 1.0, 2.0], [1e30, 0.0, -1e30, 1.0], [-0.0, 1e-30, 0.5, -2.0], [3.0, 3.0, 3.0, 3.0],
+                     [-inf, 0.0, 1.0, 5.0]], np.float32)  # fmt: skip
+    values = {"x": rows, "t": np.array(targets, np.int64), "w": np.array([1.0, 2.0, 0.0, 0.5], np.float32)}
+
+    def function(x, t, w):
+        return loss(x, t, weight=w if weighted else None, reduction=reduction)
+
+    upstream = upstream_like((len(rows),)) if reduction == "none" else 1.0
+    model = exported_model(function, values, upstream, ["x"])
+    check_against_torch(model, function, values, ["x"], upstream)
+
+
+@pytest.mark.parametrize("third", [False, True], ids=["two quotients", "and a third term"])
+def test_sum_of_quotients_by_constants(third):
+    """a / 2 + b / 3 (+ relu(c)): ONNX Runtime's training optimizer fused it into a ScaledSum, which has no CPU kernel
+    (refused), multiplies by 1/3 where torch divides by 3, and with a third term read relu's input instead of its
+    output; rewrites.sum_of_quotients keeps the Add apart, bit for bit."""
+    a = edge_values(3.0, 1.0 / 3.0, 7.0)
+    values = {"a": a, "b": a[::-1].copy()}
+    if third:
+        values["c"] = np.linspace(-2.0, 2.0, len(a)).astype(np.float32)
+
+    def function(a, b, c=None):
+        total = a / 2.0 + b / 3.0
+        return -(total if c is None else total + torch.relu(c))  # the sum not an output, as the fusion needs
+
+    upstream = upstream_like(a.shape)
+    model = exported_model(function, values, upstream, list(values))
+    train = check_against_torch(model, function, values, list(values), upstream, ulps=0)
+    assert "ScaledSum" not in op_types(train)
+
+
 @pytest.mark.parametrize("n, dim, ends", [(1, 1, False), (2, 0, False), (1, 1, True)])
 def test_diff(n, dim, ends):
     """torch.diff, which the exporter refused (symbolics.reductions.diff): n differences along dim, prepend and append

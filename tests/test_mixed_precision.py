@@ -61,6 +61,23 @@ def test_float16_training_tracks_float32(model_name, tmp_path):
     assert trainer.eval_step(*MODELS[model_name][2]())[1].dtype == torch.float16
 
 
+def test_a_batch_of_ignored_labels_reports_torchs_nan_loss_under_mixed_precision():
+    """The float16 graph keeps ONNX Runtime's loss kernel, whose mean over no kept label was 0 where torch's is
+    0 / 0 = NaN; now the loss is summed and divided as torch divides (symbolics.losses._loss_over_targets). Its
+    gradients are 0, so the scale stays and the next batch trains on finite weights."""
+    torch.manual_seed(0)
+    model = Encoder()
+    reference = copy.deepcopy(model)
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=lm_loss,
+                         options=cpu_options({"mixed_precision": {"enabled": True}}))  # fmt: skip
+    tokens, labels = token_batch(generator=torch.Generator().manual_seed(0))
+    trainer.train_step(tokens, labels)
+    ignored = torch.full_like(labels, -100)
+    assert lm_loss(reference(tokens), ignored).isnan()
+    assert trainer.train_step(tokens, ignored)[0].isnan()
+    assert trainer.train_step(tokens, labels)[0].isfinite()
+
+
 def legacy_scales(initial, flags, window, low=1.0, high=2.0**24):
     """The legacy DynamicLossScaler rule, written out: scale after each boundary step."""
     scale, stable, scales = initial, 0, []

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from models import CNN, MLP, NoGradTarget, StraightThrough, cnn_batch, mlp_batch
+from models import CNN, MLP, VOCAB, Encoder, NoGradTarget, StraightThrough, cnn_batch, mlp_batch, token_batch
 from parity import assert_close_state, cpu_options, run_parity
 
 from orttrainer import GradientBuildError, ORTTrainer, ORTTrainerOptions, amp, build, export, optim
@@ -266,6 +266,52 @@ def test_rms_norm_model_trains_as_torch():
     """nn.RMSNorm, which the exporter refuses, is exported as torch's formula (symbolics.layers.rms_norm)."""
     torch.manual_seed(0)
     run_parity(RMSNormBlock(), token_batches(), optim.SGDConfig(lr=0.5), lambda p: torch.optim.SGD(p, lr=0.5), loss_fn=tagger_loss)
+
+
+def test_batches_whose_kept_labels_weigh_nothing_train_as_torch():
+    """cross_entropy's mean divides by the class weights of the labels kept: a batch of ignored labels only gives
+    torch's loss NaN (0 / 0) and gradients of 0, one of weight-0 classes only NaN gradients as well. orttrainer
+    reported 0 and trained on with gradients of 0 (symbolics.losses._loss_over_targets)."""
+    weights = torch.ones(VOCAB)
+    weights[:5] = 0
+
+    def weighted_lm_loss(logits, labels):
+        return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), weight=weights)
+
+    torch.manual_seed(0)
+    tokens, labels = token_batch(generator=torch.Generator().manual_seed(0))
+    batches = [(tokens, labels), (tokens, torch.full_like(labels, -100)), (tokens, labels), (tokens, labels % 5)]
+    trainer, _ = run_parity(Encoder(), batches, optim.SGDConfig(lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1),
+                            loss_fn=weighted_lm_loss)  # fmt: skip
+    assert trainer.state_dict(pytorch_format=True)["head.weight"].isnan().all(), "the last batch's NaN gradients trained"
+
+
+class AveragedHeads(nn.Module):
+    """Two heads averaged by constant weights (``a / 2 + b / 4``), plus a third term: the pattern ONNX Runtime's
+    training optimizer fuses into a ScaledSum (rewrites.sum_of_quotients)."""
+
+    def __init__(self, third):
+        super().__init__()
+        self.trunk, self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 10), nn.Linear(32, 10), nn.Linear(32, 10)
+        self.third = third
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        averaged = self.a(h) / 2 + self.b(h) / 4
+        return averaged + torch.relu(self.c(h)) if self.third else averaged
+
+
+@pytest.mark.parametrize("third", [False, True], ids=["two heads", "and a third term"])
+def test_heads_averaged_by_constant_divisions_train_as_torch(third):
+    """Refused before ("no CPU kernel for ScaledSum"); on CUDA the fused node multiplied by reciprocals, and with a
+    third term read relu's input instead of its output."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 16, generator=generator), torch.randint(0, 10, (8,), generator=generator)) for _ in range(4)]
+    trainer, reference = run_parity(AveragedHeads(third), batches, optim.SGDConfig(lr=0.5),
+                                    lambda p: torch.optim.SGD(p, lr=0.5), loss_fn=F.cross_entropy)  # fmt: skip
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.eval_step(*batches[0])[1], reference(batches[0][0]), atol=1e-5, rtol=1e-5)
 
 
 def test_confident_logits_train_as_torch_with_bce_with_logits():
