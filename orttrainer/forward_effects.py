@@ -155,7 +155,7 @@ def _uniform_draws_forced_to(value: float):
 
 
 # Attributes every torch module has: torch's bookkeeping, which forward does not change as state of its own.
-_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))  # what every module has in its __dict__
 
 
 def _byte_sum(tensor: torch.Tensor) -> int:
@@ -191,11 +191,23 @@ class _Fingerprint:
         return not unseen_only or now.identity != self.identity or now.version == self.version
 
 
-def _comparable(value) -> bool:
+def comparable(value) -> bool:
     """Whether a change of ``value`` can be judged: Python numbers, strings, None, and tuples of them."""
     if isinstance(value, tuple):
-        return all(map(_comparable, value))
+        return all(map(comparable, value))
     return value is None or isinstance(value, (bool, int, float, str))
+
+
+def state_owners(model: torch.nn.Module, loss_fn) -> list:
+    """[(qualified name, object)] of what holds the state forward and the loss run with: the model's modules, and the
+    loss's modules (a module or a bound method's) or the loss object itself (a function's attributes)."""
+    owners = list(model.named_modules())
+    loss_owner = getattr(loss_fn, "__self__", loss_fn)  # a bound method's object
+    if isinstance(loss_owner, torch.nn.Module):
+        owners += [(f"loss_fn.{path}".rstrip("."), layer) for path, layer in loss_owner.named_modules()]
+    elif hasattr(loss_owner, "__dict__"):  # a function's is its attributes
+        owners.append(("loss_fn", loss_owner))
+    return owners
 
 
 def module_state(model: torch.nn.Module, loss_fn, attributes=True) -> dict:
@@ -203,21 +215,15 @@ def module_state(model: torch.nn.Module, loss_fn, attributes=True) -> dict:
     module, or an object with state of its own) without the trace recording it: parameters, buffers, and with
     ``attributes`` tensor and Python attributes and the variables the modules' forward hooks close over (a warm-up
     counter). BatchNorm's running statistics are left out: the graph updates them as torch does."""
-    owners = list(model.named_modules())
-    loss_owner = getattr(loss_fn, "__self__", loss_fn)  # a bound method's object
-    if isinstance(loss_owner, torch.nn.Module):
-        owners += [(f"loss_fn.{path}".rstrip("."), layer) for path, layer in loss_owner.named_modules()]
-    elif hasattr(loss_owner, "__dict__"):  # a function's is its attributes
-        owners.append(("loss_fn", loss_owner))
     state = {}
-    for path, owner in owners:
+    for path, owner in state_owners(model, loss_fn):
         prefix = f"{path}." if path else ""
         for name, value in vars(owner).items() if attributes else ():
-            if name in _MODULE_INTERNALS:
+            if name in MODULE_INTERNALS:
                 continue
             if isinstance(value, torch.Tensor):
                 state[("tensor attribute", prefix + name)] = _Fingerprint.of(value)
-            elif _comparable(value):
+            elif comparable(value):
                 state[("attribute", prefix + name)] = value
         if not isinstance(owner, torch.nn.Module):
             continue
@@ -244,7 +250,7 @@ def _hook_variables(layer: torch.nn.Module, where: str) -> dict:
                 continue
             items = value.items() if isinstance(value, dict) else [(None, value)]
             for key, item in items:
-                if _comparable(item):
+                if comparable(item):
                     variable = name if key is None else f"{name}[{key!r}]"
                     found[("hook variable", f"{variable}, a variable of the forward hook {hook.__qualname__} of module "
                                             f"'{where}'")] = item  # fmt: skip

@@ -17,7 +17,6 @@ import hashlib
 import inspect
 import math
 import warnings
-from dataclasses import dataclass
 
 import onnx
 import onnxruntime
@@ -27,6 +26,7 @@ from . import amp, build, distributed, graph, graph_cache, session, verify
 from .gradients import Gradients
 from .model_desc import _ORTTrainerModelDesc, match_inputs
 from .model_outputs import as_list
+from .module_edits import module_as_built
 from .optim import _update
 from ._arguments import _argument_error, _check_argument, _is_non_negative
 from .optim.config import _OptimizerConfig
@@ -105,27 +105,6 @@ def _first_names(names, shown=6) -> str:
     return f"{listed}, ... ({len(names)} in all)" if len(names) > shown else listed or "none"
 
 
-@dataclass(eq=False)
-class _Trainability:
-    """Which of a torch model's weights train (``requires_grad``) and in which mode its modules run (``training``, True
-    throughout for a model in eval(): it trains in train() mode), over lists of its parameters and modules kept at the
-    build (a list is read in ~30 ns a weight, ``module.parameters()`` walks the module tree)."""
-
-    parameters: list
-    modules: list
-    requires_grad: list
-    training: list
-
-    def __eq__(self, other) -> bool:
-        return self.requires_grad == other.requires_grad and self.training == other.training
-
-
-def _trainability(parameters: list, modules: list) -> _Trainability:
-    trains_all = not modules[0].training
-    return _Trainability(parameters, modules, [parameter.requires_grad for parameter in parameters],
-                         [trains_all or module.training for module in modules])  # fmt: skip
-
-
 def _accepts_two_arguments(function) -> bool:
     try:
         inspect.signature(function).bind(None, None)
@@ -160,7 +139,7 @@ class ORTTrainer:
         self._providers = session.device_providers(self._device, self.options.device.mem_limit, self.options.provider_options)
         self._train_step_info = TrainStepInfo(optim_config)
         self._torch_model = model if isinstance(model, torch.nn.Module) else None
-        self._built_for = None  # the torch model's _Trainability when the graphs were built
+        self._built_from = None  # module_edits.ModuleAsBuilt: the torch model as the graphs were built from it
         self._window_steps = None  # batch.gradient_accumulation_steps at the last train_step
         self._runtime = self._gradients = self._optimizer = None  # set by the build
         self._load_state_dict = None  # a state_dict loaded before the build, which applies it
@@ -225,7 +204,7 @@ class ORTTrainer:
         if self._data_parallel is not None:
             self._seed = distributed.gather_objects(self._world, self._seed)[0]  # rank 0's, as a checkpoint keeps it
         if self._torch_model is not None and self._runtime is None:  # the weights the graphs were built to train
-            self._built_for = _trainability(list(self._torch_model.parameters()), list(self._torch_model.modules()))
+            self._built_from = module_as_built(self._torch_model, self.loss_fn)
         gradients = Gradients(runtime)
         optimizer = _update.make_optimizer(self.optim_config.naming_tied_weights(runtime.aliases),
                                            {name: runtime.weights[name] for name in runtime.owned},
@@ -242,7 +221,7 @@ class ORTTrainer:
         Returns the outputs in model_desc order (or ``fetches`` order), one tensor bare.
         """
         inputs = self._ensure_initialized(args, kwargs)
-        self._refuse_changed_trainability()
+        self._refuse_module_edits(training=True)
         requested = self._requested_outputs()
         if self._runtime.reference is not None:
             self._check_against_torch(inputs)
@@ -278,25 +257,21 @@ class ORTTrainer:
         self._window_steps = steps
         return steps
 
-    def _refuse_changed_trainability(self) -> None:
-        """The user's module must still have requires_grad where it had it when the graphs were built (its first
-        step), and its modules the train/eval modes: the graphs train the weights chosen then, in the modes traced
-        then, and went on training a weight frozen since, or a BatchNorm put in eval() since on its batch's
-        statistics, without a word."""
-        if self._torch_model is None:
+    def _refuse_module_edits(self, training: bool) -> None:
+        """The user's module must be as the graphs were built from it at its first step (module_edits.py): changes since
+        never reach the trainer's copy, so the step would train or evaluate the module as it was, without a word. With
+        ``training`` False (eval_step) the weights' requires_grad and the modules' modes do not count."""
+        if self._built_from is None:
             return
-        built, now = self._built_for, _trainability(self._built_for.parameters, self._built_for.modules)
-        if now == built:
-            return
-        changed = [f"requires_grad of '{name}' went {before} -> {after}" for (name, _), before, after
-                   in zip(self._torch_model.named_parameters(), built.requires_grad, now.requires_grad) if before != after]
-        changed += [f"module '{name or 'the model'}' was put in {'train' if after else 'eval'}()" for (name, _), before, after
-                    in zip(self._torch_model.named_modules(), built.training, now.training) if before != after]  # fmt: skip
-        raise ValueError(
-            f"since the trainer's first step, {'; '.join(changed) or 'the module changed'}: its graphs train the weights "
-            "and run the modes of that step. Freeze weights and set modes before creating the trainer (requires_grad "
-            "or options utils.frozen_weights; eval() on a submodule), or create a new trainer"
-        )
+        changed = self._built_from.changes(training)
+        if changed:
+            raise ValueError(
+                f"since the trainer's first step, {'; '.join(changed)}: the trainer trains a copy of the module taken "
+                "then, which these changes do not reach. Freeze weights, set modes and attributes before creating the "
+                "trainer (requires_grad or options utils.frozen_weights; eval() on a submodule); pass a value that "
+                "changes between steps as an argument of forward (a tensor, or a number: a graph per value); or "
+                "create a new trainer"
+            )
 
     def _run_training_graph(self, inputs, gradient_buffers):
         """Forward + backward of this batch, gradients into ``gradient_buffers``, BatchNorm statistics
@@ -397,6 +372,7 @@ class ORTTrainer:
     def eval_step(self, *args, **kwargs):
         """Forward only, in inference mode (dropout off, BatchNorm on running statistics)."""
         inputs = self._ensure_initialized(args, kwargs)
+        self._refuse_module_edits(training=False)
         requested = self._requested_outputs()
         if self._runtime.eval_reference is None:
             return self._returned(self._runtime.run_eval(inputs, requested))

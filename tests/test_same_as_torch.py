@@ -6,6 +6,7 @@ import copy
 import functools
 import math
 import random
+import re
 import warnings
 
 import numpy as np
@@ -751,7 +752,7 @@ def test_requires_grad_changed_on_the_module_after_the_first_step_is_refused_nam
     model.fc1.weight.requires_grad_(frozen_first)
     before = trainer.state_dict(pytorch_format=True)
     with pytest.raises(ValueError, match=rf"since the trainer's first step, requires_grad of 'fc1.weight' went "
-                                         rf"{not frozen_first} -> {frozen_first}: its graphs train"):  # fmt: skip
+                                         rf"{not frozen_first} -> {frozen_first}: the trainer trains a copy"):  # fmt: skip
         trainer.train_step(*mlp_batch())
     assert_close_state_dicts(trainer.state_dict(pytorch_format=True), before)
 
@@ -768,9 +769,78 @@ def test_a_module_put_in_eval_after_the_first_step_is_refused_unless_the_whole_m
     if whole_model:
         trainer.train_step(*cnn_batch())
         return
-    with pytest.raises(ValueError, match=r"since the trainer's first step, module 'features.1' was put in eval\(\): its "
-                                         r"graphs train the weights and run the modes of that step"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"since the trainer's first step, module 'features.1' was put in eval\(\): the "
+                                         r"trainer trains a copy of the module taken then"):  # fmt: skip
         trainer.train_step(*cnn_batch())
+
+
+class Tempered(nn.Module):
+    """An MLP whose scores are divided by a temperature the training loop anneals (``model.temperature = ...``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.temperature = MLP(), 1.0
+
+    def forward(self, x):
+        return self.body(x) / self.temperature
+
+
+def _hook_doubling_output(module, inputs, output):
+    return output * 2
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda model, loss: setattr(model, "temperature", 0.5), "attribute 'temperature' of module 'the model' went 1.0 -> 0.5"),
+    (lambda model, loss: setattr(model.body, "head", nn.Linear(64, 10)), "submodule 'head' of module 'body' was replaced"),
+    (lambda model, loss: model.body.fc1.register_forward_hook(_hook_doubling_output), "a forward hook of module 'body.fc1' added"),
+    (lambda model, loss: setattr(model.body.fc1, "bias", nn.Parameter(torch.zeros(64))),
+     "parameter 'bias' of module 'body.fc1' was replaced"),
+    (lambda model, loss: setattr(loss, "label_smoothing", 0.1), "attribute 'label_smoothing' of module 'loss_fn' went 0.0 -> 0.1"),
+], ids=["attribute", "submodule", "forward-hook", "parameter", "loss-attribute"])  # fmt: skip
+def test_the_module_edited_after_the_first_step_is_refused_naming_the_change(edit, message):
+    """A torch loop that anneals a temperature, swaps a head, adds a hook or changes its loss between steps trains the
+    changed module from the next step on; the trainer's copy of the module, taken at its first step, kept training the
+    module as it was, without a word (module_edits.py). Refused by train_step and eval_step, the state left as it was."""
+    torch.manual_seed(0)
+    model, loss = Tempered(), nn.CrossEntropyLoss()
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=loss, options=cpu_options())
+    trainer.train_step(*mlp_batch())
+    edit(model, loss)
+    before = trainer.state_dict(pytorch_format=True)
+    for step in (trainer.train_step, trainer.eval_step):
+        with pytest.raises(ValueError, match=rf"since the trainer's first step, {re.escape(message)}: the trainer trains a copy"):
+            step(*mlp_batch())
+    assert_close_state_dicts(trainer.state_dict(pytorch_format=True), before)
+
+
+def test_a_weight_frozen_after_the_first_step_is_no_reason_to_refuse_an_evaluation():
+    """eval_step runs every module in eval mode and computes no gradient: requires_grad and modes changed since the first
+    step do not change what it computes (train_step refuses them)."""
+    model = MLP()
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
+    trainer.train_step(*mlp_batch())
+    model.fc1.weight.requires_grad_(False)
+    model.fc1.eval()
+    trainer.sync_to_module()
+    reference = copy.deepcopy(model).eval()
+    batch = mlp_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.eval_step(*batch)[1], reference(batch[0]), atol=1e-5, rtol=1e-5)
+
+
+def test_the_module_run_and_synced_between_steps_trains_on():
+    """What a loop does with the module between steps without changing it (sync_to_module, then a torch evaluation in
+    eval() under no_grad, then train() again) is no edit."""
+    torch.manual_seed(0)
+    model = Tempered()
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
+    for _ in range(2):
+        trainer.train_step(*mlp_batch())
+        trainer.sync_to_module()
+        model.eval()
+        with torch.no_grad():
+            model(mlp_batch()[0])
+        model.train()
 
 
 def test_eval_step_under_inference_mode_builds_its_graphs_and_evaluates_like_torch():
