@@ -315,6 +315,38 @@ def test_heads_averaged_by_constant_divisions_train_as_torch(third):
         torch.testing.assert_close(trainer.eval_step(*batches[0])[1], reference(batches[0][0]), atol=1e-5, rtol=1e-5)
 
 
+class PaddedPool(nn.Module):
+    """A ZeroPad2d before a pool: ONNX Runtime's Pad_Fusion folds the zeros into the pool's own padding."""
+
+    def __init__(self, pool, side):
+        super().__init__()
+        self.conv, self.pad, self.pool = nn.Conv2d(2, 4, 3, padding=1), nn.ZeroPad2d(1), pool
+        self.head = nn.Linear(4 * side * side, 3)
+
+    def forward(self, x):
+        return self.head(self.pool(self.pad(self.conv(x) - 1.0)).flatten(1))  # mostly negative: the padding's zeros win
+
+
+@pytest.mark.parametrize("mixed_precision", [False, True], ids=["float32", "mixed-precision"])
+@pytest.mark.parametrize("pool, side", [(nn.MaxPool2d(2, 2), 4), (nn.AvgPool2d(2, 2, padding=1, count_include_pad=False), 5)],
+                         ids=["max-pool", "average-pool-without-padding-count"])  # fmt: skip
+def test_a_zero_pad_before_a_pool_evaluates_as_torch(pool, side, mixed_precision):
+    """Pad_Fusion (off in every session now) made the zeros the pool's own padding, which a MaxPool takes as -inf and
+    an AveragePool without count_include_pad leaves out: the mixed-precision eval graph (ONNX Runtime's MaxPool) was
+    0.57 off torch, and the average pool's failed to open."""
+    torch.manual_seed(0)
+    model = PaddedPool(pool, side)
+    reference = copy.deepcopy(model).eval()
+    options = cpu_options({"mixed_precision": {"enabled": mixed_precision}})
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.0), loss_fn=F.cross_entropy, options=options)
+    batch = (torch.randn(4, 2, 6, 6, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 1, 2, 0]))
+    trainer.train_step(*batch)
+    with torch.no_grad():
+        expected = reference(batch[0])
+    tolerance = 2e-3 if mixed_precision else 1e-5  # float16 products
+    torch.testing.assert_close(trainer.eval_step(*batch)[1].float(), expected, atol=tolerance, rtol=tolerance)
+
+
 def test_confident_logits_train_as_torch_with_bce_with_logits():
     """Logits of +-20 to +-60 (a confident classifier): torch's loss is about |x| where the target
     disagrees; the exporter's log(sigmoid) form made it inf (symbolics.losses.binary_cross_entropy_with_logits)."""
