@@ -16,6 +16,8 @@ are rewritten: other providers have fast kernels of their own.
 ``use_exact_cpu_kernels`` (also CPU float32 graphs) replaces kernels whose values differ from
 torch's beyond rounding (docs/stack_facts.md, "Kernels that differ from torch"): the Sigmoid, the
 QuickGelu a SiLU is fused into and its gradient (the same approximate sigmoid), and the Sqrt at +inf.
+``centered_layer_norms`` (every CPU graph) keeps the LayerNormalization kernel but feeds it rows whose
+mean is 0, where its variance formula is accurate.
 """
 
 import math
@@ -25,7 +27,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from .rewrites import NodeBuilder, node_attribute, node_attributes, opset, replace_nodes, shapes_in, static_shapes
+from .rewrites import GraphFacts, NodeBuilder, node_attribute, node_attributes, opset, replace_nodes, shapes_in, static_shapes
 
 
 def _like(build: NodeBuilder, value: float, tensor: str) -> str:
@@ -428,6 +430,35 @@ def pool_before_relu(model: onnx.ModelProto) -> int:
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     return swapped
+
+
+def centered_layer_norms(model: onnx.ModelProto) -> list:
+    """Give, in place, every LayerNormalization its input minus the mean over the normalized axes, and the gradient
+    node that reads the same input and statistics the same shifted tensor; return the names of the nodes.
+
+    ONNX Runtime's CPU kernel takes the variance as E[x^2] - mean^2 in float32, which cancels where a row's mean is
+    large against its spread: rows of mean 100 and spread 1 came out 1e-3 off torch, of mean 1234 0.07 off (a constant
+    row can give NaN), where torch's kernel stays accurate (docs/stack_facts.md). A layer norm is the same function of
+    its input shifted along the normalized axes, so its value and gradient stay torch's while the kernel sees a mean
+    near 0. Two passes more per layer norm; forwards with a negative axis, as the exporter writes them.
+    """
+    facts = GraphFacts(opset(model), {}, {}, {}, {}, set())
+    rebuilt, shifted = [], {}
+    for node in model.graph.node:
+        axis = node_attribute(node, "axis", -1)
+        if node.op_type == "LayerNormalization" and axis < 0:
+            build, x = NodeBuilder(node, facts), node.input[0]
+            node.input[0] = build.op("Sub", [x, build.reduce("ReduceMean", x, list(range(axis, 0)), 1)])
+            rebuilt += build.nodes
+            model.graph.initializer.extend(build.initializers)
+            shifted[(x, node.output[1] if len(node.output) > 1 else "")] = node.input[0]
+        rebuilt.append(node)
+    for node in rebuilt:  # (dy, x, scale, mean, inverse std): the forward's input with its statistics
+        if node.op_type == "LayerNormalizationGrad" and (node.input[1], node.input[3]) in shifted:
+            node.input[1] = shifted[(node.input[1], node.input[3])]
+    del model.graph.node[:]
+    model.graph.node.extend(rebuilt)
+    return [node.name for node in rebuilt if node.op_type == "LayerNormalization" and node.input[0] in shifted.values()]
 
 
 def use_fast_cpu_kernels(model: onnx.ModelProto, keep_op_types=(), built_from: onnx.ModelProto = None) -> list:

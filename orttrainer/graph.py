@@ -829,6 +829,9 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     defined_gradients.zero_gradient_at_bounds(train_model)
     defined_gradients.spell_forwards(train_model, keep_for_torch)
     defined_gradients.spell_forwards(eval_model, keep_for_torch)
+    if on_cpu:
+        for graph_model in (train_model, eval_model):
+            cpu_kernels.centered_layer_norms(graph_model)
     if mixed_precision:
         _float32_gradient_kernels(train_model)
     elif on_cpu:

@@ -1234,6 +1234,41 @@ def test_sum_of_quotients_by_constants(third):
     assert "ScaledSum" not in op_types(train)
 
 
+def _rows_for_layer_norm(width):
+    """Rows of ``width`` values: ordinary, shifted by 100 and by 1234 (a large mean against a spread of 1), constant
+    (1234, 0), huge (1e30 spread), and holding inf and NaN."""
+    generator = np.random.default_rng(0)
+    ordinary = generator.standard_normal((3, width)).astype(np.float32)
+    rows = [ordinary[0], ordinary[1] + 100.0, ordinary[2] + 1234.0, np.full(width, 1234.0), np.zeros(width),
+            ordinary[0] * 1e30, np.where(np.arange(width) == 1, np.inf, ordinary[1]),
+            np.where(np.arange(width) == 2, np.nan, ordinary[2])]  # fmt: skip
+    return np.array(rows, np.float32)
+
+
+@pytest.mark.parametrize("width, normalized", [(16, 1), (8, 2)], ids=["rows of 16", "two axes"])
+def test_layer_norm_of_rows_with_a_large_mean(width, normalized):
+    """cpu_kernels.centered_layer_norms: ONNX Runtime's CPU kernel takes the variance as E[x^2] - mean^2 in float32
+    (rows of mean 1234 came out 0.07 off torch); the kernel now sees the rows minus their mean. Value and gradients
+    of x, weight and bias against float64 torch, within 256 float32 spacings: a constant row's gradient is 1/sqrt(eps)
+    = 316 times a difference of terms of ~1 (dy * weight minus its mean), rounded; torch's own float32 gradients are
+    1% off there and 0.16% off on the row of mean 1234."""
+    x = _rows_for_layer_norm(width * 2 if normalized == 2 else width)
+    if normalized == 2:
+        x = x.reshape(len(x), 2, width)
+    shape = x.shape[-normalized:]
+    generator = np.random.default_rng(1)
+    values = {"x": x, "weight": generator.uniform(0.5, 1.5, shape).astype(np.float32),
+              "bias": generator.standard_normal(shape).astype(np.float32)}  # fmt: skip
+
+    def function(x, weight, bias):
+        return F.layer_norm(x, shape, weight, bias)
+
+    upstream = upstream_like(x.shape)
+    train = check_against_torch(exported_model(function, values, upstream, list(values)), function, values, list(values),
+                                upstream, ulps=256)  # fmt: skip
+    assert "LayerNormalization" in op_types(train)
+
+
 @pytest.mark.parametrize("n, dim, ends", [(1, 1, False), (2, 0, False), (1, 1, True)])
 def test_diff(n, dim, ends):
     """torch.diff, which the exporter refused (symbolics.reductions.diff): n differences along dim, prepend and append
