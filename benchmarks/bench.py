@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from on_device import on_device_training  # noqa: E402
-from workloads import WORKLOADS, Workload, zoo_workloads  # noqa: E402
+from workloads import WORKLOADS, Workload, train_on, zoo_workloads  # noqa: E402
 
 CONTENDERS = ["torch eager", "torch.compile", "orttrainer", "on-device ORT API", "ORTModule"]
 ADAMW = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
@@ -91,10 +91,7 @@ def _orttrainer_step(model, workload, options=None):
     timed = {}
 
     def step(batch):
-        if isinstance(batch, dict):
-            trainer.train_step(**batch)
-        else:
-            trainer.train_step(*batch)
+        train_on(trainer, batch)
         if not timed:  # the optimizer exists after the first step
             timed["update"] = trainer._optimizer.step = _Timed(trainer._optimizer.step)
 

@@ -26,7 +26,7 @@ def measure(workload_index: int, mode: str) -> dict:
     import torch
 
     from orttrainer import ORTTrainer, ORTTrainerOptions, optim
-    from workloads import WORKLOADS
+    from workloads import WORKLOADS, train_on
 
     torch.manual_seed(0)
     workload = WORKLOADS[workload_index]
@@ -34,10 +34,10 @@ def measure(workload_index: int, mode: str) -> dict:
     options = ORTTrainerOptions({"device": {"id": "cpu"}, "debug": {"check_against_torch": mode}})
     trainer = ORTTrainer(workload.make_model(), None, optim.AdamConfig(lr=1e-3), loss_fn=workload.loss_fn, options=options)
     start = time.perf_counter()
-    trainer.train_step(*batch)
+    train_on(trainer, batch)
     first = time.perf_counter() - start
     start = time.perf_counter()
-    trainer.train_step(*batch)
+    train_on(trainer, batch)
     second = time.perf_counter() - start
     return {"first_step_s": first, "second_step_s": second, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 

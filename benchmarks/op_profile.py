@@ -17,7 +17,7 @@ from collections import defaultdict
 
 import onnxruntime
 import torch
-from workloads import workload_named
+from workloads import train_on, workload_named
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 
@@ -44,7 +44,7 @@ def profiled_kernels(workload, steps, optimized_model_path=""):
                                                         "utils": {"grad_norm_clip": False, "convolution_kernels": "onnxruntime"},
                                                         "session_options": options, "debug": saved}))  # fmt: skip
         for step in range(steps + 2):
-            trainer.train_step(*batches[step % len(batches)])
+            train_on(trainer, batches[step % len(batches)])
         events = json.loads(open(trainer._train_session.session.end_profiling()).read())
     runs = [event for event in events if event.get("name") == "model_run"][2:]
     kernels = [[] for _ in runs]

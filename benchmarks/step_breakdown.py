@@ -12,7 +12,7 @@ import statistics
 import time
 
 import torch
-from workloads import WORKLOADS, zoo_workloads
+from workloads import WORKLOADS, train_on, zoo_workloads
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 
@@ -36,14 +36,14 @@ def breakdown(workload, steps):
         options=ORTTrainerOptions({"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False}}),
     )
     for batch in batches:  # warm-up, includes export and the first backward
-        trainer.train_step(*batch)
+        train_on(trainer, batch)
     run_times, update_times, step_times = [], [], []
     session = trainer._train_session  # a TorchBoundSession, or a SplitSession (its torch steps included)
     session.run = _timed(session.run, run_times)
     trainer._optimizer.step = _timed(trainer._optimizer.step, update_times)
     for step in range(steps):
         start = time.perf_counter()
-        trainer.train_step(*batches[step % len(batches)])
+        train_on(trainer, batches[step % len(batches)])
         step_times.append(time.perf_counter() - start)
     step, run, update = (statistics.median(times) * 1e3 for times in (step_times, run_times, update_times))
     return step, run, update

@@ -89,6 +89,11 @@ class Workload:
     make_batch: Callable  # generator -> (inputs..., label), or a dict of keywords
 
 
+def train_on(trainer, batch):
+    """``trainer.train_step`` on a batch of either form ``Workload.make_batch`` makes."""
+    return trainer.train_step(**batch) if isinstance(batch, dict) else trainer.train_step(*batch)
+
+
 
 
 def _images(batch):
