@@ -228,7 +228,8 @@ def module_state(model: torch.nn.Module, loss_fn, attributes=True) -> dict:
         if not isinstance(owner, torch.nn.Module):
             continue
         if attributes:
-            state.update(_hook_variables(owner, path or "the model"))
+            state.update({("hook variable", description): value
+                          for description, _, _, value in hook_variables(owner, path or "the model")})
         tracked = not isinstance(owner, torch.nn.modules.batchnorm._BatchNorm)
         for kind, tensors in (("buffer", owner._buffers if tracked else {}), ("parameter", owner._parameters)):
             for name, tensor in tensors.items():
@@ -237,10 +238,10 @@ def module_state(model: torch.nn.Module, loss_fn, attributes=True) -> dict:
     return state
 
 
-def _hook_variables(layer: torch.nn.Module, where: str) -> dict:
-    """{("hook variable", description): value} of the Python numbers and strings (alone or in a dict) that the forward
-    hooks of ``layer`` close over."""
-    found = {}
+def hook_variables(layer: torch.nn.Module, where: str) -> list:
+    """[(description, dict or None, key, value)] of the Python numbers and strings that the forward hooks of ``layer``
+    close over, alone (dict None) or as values of a dict the hook holds (the dict and the value's key)."""
+    found = []
     for hook in [*layer._forward_pre_hooks.values(), *layer._forward_hooks.values()]:
         code, cells = getattr(hook, "__code__", None), getattr(hook, "__closure__", None) or ()
         for name, cell in zip(code.co_freevars if code else (), cells):
@@ -248,12 +249,12 @@ def _hook_variables(layer: torch.nn.Module, where: str) -> dict:
                 value = cell.cell_contents
             except ValueError:  # a cell not yet filled
                 continue
-            items = value.items() if isinstance(value, dict) else [(None, value)]
-            for key, item in items:
+            holder = value if isinstance(value, dict) else None
+            for key, item in value.items() if holder is not None else [(None, value)]:
                 if comparable(item):
-                    variable = name if key is None else f"{name}[{key!r}]"
-                    found[("hook variable", f"{variable}, a variable of the forward hook {hook.__qualname__} of module "
-                                            f"'{where}'")] = item  # fmt: skip
+                    variable = name if holder is None else f"{name}[{key!r}]"
+                    found.append((f"{variable}, a variable of the forward hook {hook.__qualname__} of module '{where}'",
+                                  holder, key, item))  # fmt: skip
     return found
 
 

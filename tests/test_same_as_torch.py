@@ -845,6 +845,21 @@ def test_the_module_edited_after_the_first_step_is_refused_naming_the_change(edi
     assert_close_state_dicts(trainer.state_dict(pytorch_format=True), before)
 
 
+def test_a_value_a_forward_hook_reads_changed_after_the_first_step_is_refused():
+    """A hook scaling a layer's output by a value the loop anneals (``scaling["factor"] = ...``): the trace kept the
+    first step's value, torch's loop uses the new one."""
+    model = MLP()
+    scaling = {"factor": 1.0}
+    model.fc1.register_forward_hook(lambda module, inputs, output: output * scaling["factor"])
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
+    trainer.train_step(*mlp_batch())
+    trainer.train_step(*mlp_batch())
+    scaling["factor"] = 0.5
+    with pytest.raises(ValueError, match=r"since the trainer's first step, scaling\['factor'\], a variable of the forward "
+                                         r"hook .* of module 'fc1' went 1.0 -> 0.5"):  # fmt: skip
+        trainer.train_step(*mlp_batch())
+
+
 def test_a_weight_frozen_after_the_first_step_is_no_reason_to_refuse_an_evaluation():
     """eval_step runs every module in eval mode and computes no gradient: requires_grad and modes changed since the first
     step do not change what it computes (train_step refuses them)."""
