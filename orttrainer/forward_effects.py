@@ -266,8 +266,10 @@ def state_changes(before: dict, model: torch.nn.Module, loss_fn, unseen_only: bo
     for (kind, name), value in before.items():
         now = after.get((kind, name), _MISSING)
         tensor = isinstance(value, _Fingerprint)
-        if now is _MISSING or (not value.changed(now, unseen_only, kind == "parameter") if tensor else now == value):
+        if now is _MISSING:
             continue
+        if not value.changed(now, unseen_only, kind == "parameter") if tensor else now is value or now == value:
+            continue  # a Python value: the same object is unchanged (a NaN too)
         if not tensor:
             changes.append(f"{name if kind == 'hook variable' else f'{kind} {name!r}'}: {value!r} -> {now!r}")
         elif kind == "parameter":

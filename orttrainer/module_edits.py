@@ -43,8 +43,9 @@ class ModuleAsBuilt:
                       for name, parameter, was in self.requires_grad if parameter.requires_grad != was]
             found += [f"module '{name}' was put in {'eval' if was else 'train'}()"
                       for name, module, was in self.training if (root_in_eval or module.training) != was]
-        found += [f"{what} went {was!r} -> {container.get(key, '(deleted)')!r}"
-                  for what, container, key, was in self.values if container.get(key, _MISSING) != was]
+        found += [f"{what} went {was!r} -> {container.get(key, '(deleted)')!r}"  # the same object: unchanged (NaN too)
+                  for what, container, key, was in self.values
+                  if (now := container.get(key, _MISSING)) is not was and now != was]
         found += [f"{what} was {'deleted' if key not in container else 'replaced'}"
                   for what, container, key, was in self.objects if container.get(key, _MISSING) is not was]
         found += [f"{what} added" for what, container, length in self.sizes if len(container) > length]
@@ -70,7 +71,8 @@ def module_as_built(model: torch.nn.Module, loss_fn) -> ModuleAsBuilt:
         if not isinstance(owner, torch.nn.Module):
             continue
         values += [(description, holder, key, value)  # a dict a forward hook holds, which a loop may change
-                   for description, holder, key, value in hook_variables(owner, path or "the model") if holder is not None]
+                   for description, holder, key, value in hook_variables(owner, path or "the model")
+                   if holder is not None]
         for container_name, kind in _CONTAINERS:
             container = attributes[container_name]
             objects += [(f"{kind} '{key}' of {where}" if isinstance(key, str) else f"a {kind} of {where}", container, key,

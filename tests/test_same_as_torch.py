@@ -877,9 +877,10 @@ def test_a_weight_frozen_after_the_first_step_is_no_reason_to_refuse_an_evaluati
 
 def test_the_module_run_and_synced_between_steps_trains_on():
     """What a loop does with the module between steps without changing it (sync_to_module, then a torch evaluation in
-    eval() under no_grad, then train() again) is no edit."""
+    eval() under no_grad, then train() again) is no edit; nor is an attribute that is NaN, unequal to itself."""
     torch.manual_seed(0)
     model = Tempered()
+    model.unused = float("nan")
     trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
     for _ in range(2):
         trainer.train_step(*mlp_batch())
