@@ -443,7 +443,7 @@ def centered_layer_norms(model: onnx.ModelProto) -> list:
     near 0. Two passes more per layer norm; forwards with a negative axis, as the exporter writes them.
     """
     facts = GraphFacts(opset(model), {}, {}, {}, {}, set())
-    rebuilt, shifted = [], {}
+    rebuilt, shifted, centered = [], {}, []
     for node in model.graph.node:
         axis = node_attribute(node, "axis", -1)
         if node.op_type == "LayerNormalization" and axis < 0:
@@ -452,13 +452,14 @@ def centered_layer_norms(model: onnx.ModelProto) -> list:
             rebuilt += build.nodes
             model.graph.initializer.extend(build.initializers)
             shifted[(x, node.output[1] if len(node.output) > 1 else "")] = node.input[0]
+            centered.append(node.name)
         rebuilt.append(node)
     for node in rebuilt:  # (dy, x, scale, mean, inverse std): the forward's input with its statistics
         if node.op_type == "LayerNormalizationGrad" and (node.input[1], node.input[3]) in shifted:
             node.input[1] = shifted[(node.input[1], node.input[3])]
     del model.graph.node[:]
     model.graph.node.extend(rebuilt)
-    return [node.name for node in rebuilt if node.op_type == "LayerNormalization" and node.input[0] in shifted.values()]
+    return centered
 
 
 def use_fast_cpu_kernels(model: onnx.ModelProto, keep_op_types=(), built_from: onnx.ModelProto = None) -> list:
