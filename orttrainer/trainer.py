@@ -33,6 +33,10 @@ from .optim.config import _OptimizerConfig
 from .options import ORTTrainerOptions, check_implemented, own_copy
 from .state import TrainerState, check_against_module, read_checkpoint, write_checkpoint
 
+# What to do instead of writing new values into the user's module after the first step.
+_NEW_WEIGHT_VALUES = ("to give the weights new values, set them in trainer.state_dict() and pass that to "
+                      "trainer.load_state_dict")  # fmt: skip
+
 
 class TrainStepInfo:
     """Per-step state passed to LR schedulers and loss scalers (legacy record)."""
@@ -263,14 +267,14 @@ class ORTTrainer:
         ``training`` False (eval_step) the weights' requires_grad and the modules' modes do not count."""
         if self._built_from is None:
             return
-        changed = self._built_from.changes(training)
+        changed = self._built_from.changes(self._state.pytorch, training)
         if changed:
             raise ValueError(
                 f"since the trainer's first step, {'; '.join(changed)}: the trainer trains a copy of the module taken "
                 "then, which these changes do not reach. Freeze weights, set modes and attributes before creating the "
                 "trainer (requires_grad or options utils.frozen_weights; eval() on a submodule); pass a value that "
-                "changes between steps as an argument of forward (a tensor, or a number: a graph per value); or "
-                "create a new trainer"
+                "changes between steps as an argument of forward (a tensor, or a number: a graph per value); "
+                f"{_NEW_WEIGHT_VALUES}; or create a new trainer"
             )
 
     def _run_training_graph(self, inputs, gradient_buffers):
@@ -416,7 +420,12 @@ class ORTTrainer:
         if self._torch_model is None or self._runtime is None:
             raise RuntimeError("sync_to_module needs the torch module the trainer was given and a first train_step or "
                                "eval_step (with an ONNX model, use state_dict() or save_as_onnx)")  # fmt: skip
+        written = self._built_from.written(self._state.pytorch)
+        if written:
+            raise ValueError(f"since the trainer's first step, {'; '.join(written)}: sync_to_module would overwrite them "
+                             f"with the trainer's; {_NEW_WEIGHT_VALUES}")  # fmt: skip
         self._torch_model.load_state_dict(self._state.pytorch(), strict=True)
+        self._built_from.values_synced()
 
     @property
     def _state(self):

@@ -915,6 +915,80 @@ def test_the_module_run_and_synced_between_steps_trains_on():
         model.train()
 
 
+def _clip_weights(model, loss):
+    with torch.no_grad():  # WGAN's weight clipping, after each update
+        for parameter in model.parameters():
+            parameter.clamp_(-0.01, 0.01)
+
+
+def _run_in_train_mode(model, loss):
+    with torch.no_grad():  # a forward for logging, the model left in train(): BatchNorm updates its statistics
+        model(cnn_batch()[0])
+
+
+def _scale_class_weights(model, loss):
+    with torch.no_grad():
+        loss.weight.mul_(2)
+
+
+@pytest.mark.parametrize("write, message", [
+    (lambda model, loss: model.load_state_dict(CNN().state_dict()),
+     "the values of 16 weights and buffers were written (parameter 'weight' of module 'features.0', parameter 'bias' of "
+     "module 'features.0', ...)"),
+    (_clip_weights, "the values of 10 weights and buffers were written (parameter 'weight' of module 'features.0'"),
+    (lambda model, loss: nn.init.zeros_(model.head.bias), "the values of parameter 'bias' of module 'head' were written"),
+    (lambda model, loss: setattr(model.head.weight, "data", torch.zeros_like(model.head.weight)),
+     "the values of parameter 'weight' of module 'head' were written"),
+    (_run_in_train_mode, "the values of 4 weights and buffers were written (buffer 'running_mean' of module 'features.1', "
+                         "buffer 'running_var' of module 'features.1', ...)"),
+    (_scale_class_weights, "the values of buffer 'weight' of module 'loss_fn' were written"),
+], ids=["load_state_dict", "clamp", "nn.init", "data-assigned", "forward-in-train-mode", "loss-buffer"])  # fmt: skip
+def test_values_written_into_the_module_after_the_first_step_are_refused_naming_the_tensor(write, message):
+    """A torch loop trains the module's own tensors, so values written into them between steps (weights loaded, WGAN's
+    clipping, a re-initialised head, a forward in train mode that moves BatchNorm's statistics, the loss's class weights
+    scaled) are trained from the next step. The trainer trains its own copy, which they never reached, without a word
+    (module_edits.py: version counters and storage addresses). Refused by train_step, eval_step and sync_to_module (which
+    would overwrite them), the trainer's state left as it was."""
+    torch.manual_seed(0)
+    model, loss = CNN(), nn.CrossEntropyLoss(weight=torch.linspace(0.5, 1.5, 10))
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=loss, options=cpu_options())
+    trainer.train_step(*cnn_batch())
+    write(model, loss)
+    before = trainer.state_dict(pytorch_format=True)
+    for step in (trainer.train_step, trainer.eval_step):
+        with pytest.raises(ValueError, match=rf"since the trainer's first step, {re.escape(message)}.*: the trainer trains a "
+                                             r"copy.*set them in trainer.state_dict\(\) and pass that to trainer.load_state_dict"):
+            step(*cnn_batch())
+    with pytest.raises(ValueError, match=rf"{re.escape(message)}.*: sync_to_module would overwrite them"):
+        trainer.sync_to_module()
+    assert_close_state_dicts(trainer.state_dict(pytorch_format=True), before)
+
+
+def test_the_module_loaded_with_the_trained_state_between_steps_trains_like_torch():
+    """The legacy ORTTrainer had no sync_to_module: its users loaded state_dict(pytorch_format=True) into the module to
+    evaluate it in torch between epochs. That writes the module's tensors with the trainer's own values: no edit."""
+    torch.manual_seed(0)
+    model = CNN()
+    reference = copy.deepcopy(model)
+    torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
+    generator = torch.Generator().manual_seed(0)
+    for step in range(3):
+        x, label = cnn_batch(generator=generator)
+        loss = trainer.train_step(x, label)[0]
+        torch_optimizer.zero_grad()
+        reference_loss = F.cross_entropy(reference(x), label)
+        reference_loss.backward()
+        torch_optimizer.step()
+        torch.testing.assert_close(loss, reference_loss.detach(), atol=1e-5, rtol=1e-5)
+        assert_close_state(trainer, reference, step=step)
+        model.load_state_dict(trainer.state_dict(pytorch_format=True), strict=False)
+        model.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), reference.eval()(x), atol=1e-5, rtol=1e-5)
+        model.train(), reference.train()
+
+
 def test_eval_step_under_inference_mode_builds_its_graphs_and_evaluates_like_torch():
     """A common validation idiom: eval_step under torch.inference_mode(), whose tensors autograd refuses, when it has to
     build a graph (the first step, a new batch shape) failed with torch's "Inference tensors do not track version
