@@ -50,9 +50,7 @@ class ModuleAsBuilt:
                       for name, parameter, was in self.requires_grad if parameter.requires_grad != was]
             found += [f"module '{name}' was put in {'eval' if was else 'train'}()"
                       for name, module, was in self.training if (root_in_eval or module.training) != was]
-        found += [f"{what} went {was!r} -> {container.get(key, '(deleted)')!r}"  # the same object: unchanged (NaN too)
-                  for what, container, key, was in self.values
-                  if (now := container.get(key, _MISSING)) is not was and now != was]
+        found += changed_values(self.values)
         found += [f"{what} was {'deleted' if key not in container else 'replaced'}"
                   for what, container, key, was in self.objects if container.get(key, _MISSING) is not was]
         found += [f"{what} added" for what, container, length in self.sizes if len(container) > length]
@@ -82,6 +80,13 @@ class ModuleAsBuilt:
         """The values as they are now count as the trainer's: ``sync_to_module`` has just written them."""
         self.contents = [(what, name, tensor, _written_state(tensor), owner)
                          for what, name, tensor, _, owner in self.contents]  # fmt: skip
+
+
+def changed_values(entries) -> list:
+    """'<description> went <was> -> <now>' for each (description, dict, key, value) whose dict now holds another value
+    at ``key`` (the same object counts as unchanged: a NaN too)."""
+    return [f"{what} went {was!r} -> {container.get(key, '(deleted)')!r}"
+            for what, container, key, was in entries if (now := container.get(key, _MISSING)) is not was and now != was]
 
 
 def _written_state(tensor: torch.Tensor) -> tuple:

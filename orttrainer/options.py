@@ -245,6 +245,29 @@ class ORTTrainerOptions(_OptionGroup):
         _warn_ignored(self)
 
 
+# Options read at every step, or only by the built-in check and for debug files: they may change between steps
+# (batch.gradient_accumulation_steps, where a window ends: ORTTrainer._accumulation_steps).
+_READ_AT_EVERY_STEP = ("batch.gradient_accumulation_steps", "lr_scheduler", "mixed_precision.loss_scaler",
+                       "debug.check_against_torch", "debug.graph_save_paths")  # fmt: skip
+
+
+def settings_read_once(options, schema=_SCHEMA, path="") -> list:
+    """[(key path, the group's __dict__, key, value)] of every option the trainer takes when it builds its graphs and
+    update (all but ``_READ_AT_EVERY_STEP``), lists and dicts copied, to compare at later steps."""
+    entries = []
+    for key, spec in schema.items():
+        where = path + key
+        if where in _READ_AT_EVERY_STEP:
+            continue
+        value = getattr(options, key)
+        if isinstance(spec, dict):
+            entries += settings_read_once(value, spec, where + ".")
+        else:
+            entries.append((f"options {where}", vars(options), key,
+                            copy.deepcopy(value) if isinstance(value, (list, dict)) else value))  # fmt: skip
+    return entries
+
+
 def _option_at(path: str) -> _Option:
     return functools.reduce(lambda group, key: group[key], path.split("."), _SCHEMA)
 

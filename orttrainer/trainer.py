@@ -26,11 +26,11 @@ from . import amp, build, distributed, graph, graph_cache, session, verify
 from .gradients import Gradients
 from .model_desc import _ORTTrainerModelDesc, match_inputs
 from .model_outputs import as_list
-from .module_edits import module_as_built
+from .module_edits import changed_values, module_as_built
 from .optim import _update
 from ._arguments import _argument_error, _check_argument, _is_non_negative
 from .optim.config import _OptimizerConfig
-from .options import ORTTrainerOptions, check_implemented, own_copy
+from .options import ORTTrainerOptions, check_implemented, own_copy, settings_read_once
 from .state import TrainerState, check_against_module, read_checkpoint, write_checkpoint
 
 # What to do instead of writing new values into the user's module after the first step.
@@ -144,6 +144,7 @@ class ORTTrainer:
         self._train_step_info = TrainStepInfo(optim_config)
         self._torch_model = model if isinstance(model, torch.nn.Module) else None
         self._built_from = None  # module_edits.ModuleAsBuilt: the torch model as the graphs were built from it
+        self._settings_as_built = []  # (key path, dict, key, value): the options and optim_config the build took
         self._window_steps = None  # batch.gradient_accumulation_steps at the last train_step
         self._runtime = self._gradients = self._optimizer = None  # set by the build
         self._load_state_dict = None  # a state_dict loaded before the build, which applies it
@@ -209,6 +210,12 @@ class ORTTrainer:
             self._seed = distributed.gather_objects(self._world, self._seed)[0]  # rank 0's, as a checkpoint keeps it
         if self._torch_model is not None and self._runtime is None:  # the weights the graphs were built to train
             self._built_from = module_as_built(self._torch_model, self.loss_fn)
+        if self._runtime is None:
+            trainer = vars(self)
+            self._settings_as_built = [("optim_config", trainer, "optim_config", self.optim_config),
+                                       ("options", trainer, "options", self.options),
+                                       ("loss_fn", trainer, "loss_fn", self.loss_fn),
+                                       *settings_read_once(self.options), *self.optim_config.settings_read_once()]  # fmt: skip
         gradients = Gradients(runtime)
         optimizer = _update.make_optimizer(self.optim_config.naming_tied_weights(runtime.aliases),
                                            {name: runtime.weights[name] for name in runtime.owned},
@@ -224,6 +231,7 @@ class ORTTrainer:
 
         Returns the outputs in model_desc order (or ``fetches`` order), one tensor bare.
         """
+        self._refuse_setting_edits()
         inputs = self._ensure_initialized(args, kwargs)
         self._refuse_module_edits(training=True)
         requested = self._requested_outputs()
@@ -260,6 +268,25 @@ class ORTTrainer:
             )
         self._window_steps = steps
         return steps
+
+    def _refuse_setting_edits(self) -> None:
+        """The options and optim_config must be what the build took (all but the learning rate and the options read at
+        every step), and optim_config's hyper-parameter attributes as created: the update reads its defaults and groups."""
+        changed = changed_values(self._settings_as_built)
+        if changed:
+            raise ValueError(
+                f"since the trainer's first step, {'; '.join(changed)}: the trainer took these when it built its graphs "
+                "and update, so the change would not apply. Set them before the first step, or go on in a new trainer "
+                "created with them, from this one's state (new_trainer.load_state_dict(trainer.state_dict()))"
+            )
+        set_since = self.optim_config.attributes_set_since_creation()
+        if set_since:
+            attribute = next(iter(set_since))
+            raise ValueError(
+                f"{'; '.join(set_since.values())}: the update takes the hyper-parameters of optim_config.defaults and "
+                "params, filled in when the config is created, not its attributes. Create the config with the value, "
+                f"e.g. {type(self.optim_config).__name__}({attribute}={getattr(self.optim_config, attribute)!r})"
+            )
 
     def _refuse_module_edits(self, training: bool) -> None:
         """The user's module must be as the graphs were built from it at its first step (module_edits.py): changes since
@@ -375,6 +402,7 @@ class ORTTrainer:
 
     def eval_step(self, *args, **kwargs):
         """Forward only, in inference mode (dropout off, BatchNorm on running statistics)."""
+        self._refuse_setting_edits()
         inputs = self._ensure_initialized(args, kwargs)
         self._refuse_module_edits(training=False)
         requested = self._requested_outputs()

@@ -964,6 +964,17 @@ def test_values_written_into_the_module_after_the_first_step_are_refused_naming_
     assert_close_state_dicts(trainer.state_dict(pytorch_format=True), before)
 
 
+def _step_both(trainer, reference, torch_optimizer, x, label, step):
+    """One train_step, one step of the torch loop on the same batch: the same loss and state_dict after it."""
+    loss = trainer.train_step(x, label)[0]
+    torch_optimizer.zero_grad()
+    reference_loss = F.cross_entropy(reference(x), label)
+    reference_loss.backward()
+    torch_optimizer.step()
+    torch.testing.assert_close(loss, reference_loss.detach(), atol=1e-5, rtol=1e-5)
+    assert_close_state(trainer, reference, step=step)
+
+
 def test_the_module_loaded_with_the_trained_state_between_steps_trains_like_torch():
     """The legacy ORTTrainer had no sync_to_module: its users loaded state_dict(pytorch_format=True) into the module to
     evaluate it in torch between epochs. That writes the module's tensors with the trainer's own values: no edit."""
@@ -975,18 +986,82 @@ def test_the_module_loaded_with_the_trained_state_between_steps_trains_like_torc
     generator = torch.Generator().manual_seed(0)
     for step in range(3):
         x, label = cnn_batch(generator=generator)
-        loss = trainer.train_step(x, label)[0]
-        torch_optimizer.zero_grad()
-        reference_loss = F.cross_entropy(reference(x), label)
-        reference_loss.backward()
-        torch_optimizer.step()
-        torch.testing.assert_close(loss, reference_loss.detach(), atol=1e-5, rtol=1e-5)
-        assert_close_state(trainer, reference, step=step)
+        _step_both(trainer, reference, torch_optimizer, x, label, step)
         model.load_state_dict(trainer.state_dict(pytorch_format=True), strict=False)
         model.eval()
         with torch.no_grad():
             torch.testing.assert_close(model(x), reference.eval()(x), atol=1e-5, rtol=1e-5)
         model.train(), reference.train()
+
+
+def _adam_with_weight_decay(**groups):
+    return optim.AdamConfig(lr=1e-2, lambda_coef=0.01, epsilon=1e-4, **groups)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda trainer: setattr(trainer.optim_config, "lambda_coef", 0.0), "optim_config.lambda_coef went 0.01 -> 0.0"),
+    (lambda trainer: trainer.optim_config.defaults.update({"lambda": 0.0}), "optim_config.defaults['lambda'] went 0.01 -> 0.0"),
+    (lambda trainer: trainer.optim_config.params[0].update({"alpha": 0.9}), "optim_config.params[0]['alpha'] went 0.5 -> 0.9"),
+    (lambda trainer: setattr(trainer.options.utils, "grad_norm_clip", True), "options utils.grad_norm_clip went False -> True"),
+    (lambda trainer: trainer.options.utils.frozen_weights.append("fc1.weight"),
+     "options utils.frozen_weights went [] -> ['fc1.weight']"),
+    (lambda trainer: setattr(trainer, "optim_config", _adam_with_weight_decay()),
+     "optim_config went AdamConfig(params=[{'lr': 0.01, 'alpha': 0.5"),
+    (lambda trainer: setattr(trainer, "loss_fn", F.multi_margin_loss), "loss_fn went <function cross_entropy"),
+], ids=["weight-decay-attribute", "weight-decay-default", "group-beta", "gradient-clipping", "frozen-weights",
+        "config-replaced", "loss-replaced"])  # fmt: skip
+def test_settings_changed_after_the_first_step_are_refused_naming_the_key(edit, message):
+    """A torch loop changes its optimizer's param_groups between steps (a weight-decay schedule) and they apply at the
+    next step. The trainer's update took every hyper-parameter but lr when it was built, and the graphs took the
+    options and the loss: the same changes to trainer.optim_config, trainer.options or trainer.loss_fn did nothing,
+    without a word. Refused, the trainer's state left as it was."""
+    torch.manual_seed(0)
+    config = _adam_with_weight_decay(params=[{"params": ["fc2.weight"], "alpha": 0.5}])
+    trainer = ORTTrainer(MLP(), None, config, loss_fn=F.cross_entropy, options=cpu_options({"utils": {"grad_norm_clip": False}}))
+    trainer.train_step(*mlp_batch())
+    edit(trainer)
+    before = trainer.state_dict(pytorch_format=True)
+    for step in (trainer.train_step, trainer.eval_step):
+        with pytest.raises(ValueError, match=rf"since the trainer's first step, {re.escape(message)}.*: the trainer took "
+                                             r"these when it built.*new_trainer.load_state_dict\(trainer.state_dict\(\)\)"):
+            step(*mlp_batch())
+    assert_close_state_dicts(trainer.state_dict(pytorch_format=True), before)
+
+
+def test_a_hyper_parameter_attribute_set_before_the_first_step_is_refused():
+    """optim_config's attributes mirror its defaults, which the update reads: ``config.lambda_coef = 0.1`` after creating
+    the config trained with the weight decay it was created with."""
+    config = _adam_with_weight_decay()
+    config.lambda_coef = 0.1
+    trainer = ORTTrainer(MLP(), None, config, loss_fn=F.cross_entropy, options=cpu_options())
+    with pytest.raises(ValueError, match=r"optim_config.lambda_coef was set to 0.1 \(created with 0.01\): the update takes "
+                                         r"the hyper-parameters of optim_config.defaults.*AdamConfig\(lambda_coef=0.1\)"):
+        trainer.train_step(*mlp_batch())
+
+
+def test_a_weight_decay_schedule_goes_on_in_a_new_trainer_as_torch_changes_its_param_group():
+    """What the refusal above advises: a new trainer created with the new weight decay, from the first one's state,
+    trains on as torch's AdamW after ``param_group['weight_decay'] = 0.0``; and the learning rate, which the update
+    reads at every step, changes in place as torch's ``param_group['lr']`` does."""
+    torch.manual_seed(0)
+    model = MLP()
+    reference = copy.deepcopy(model)
+    torch_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-4, weight_decay=0.01)
+    options = cpu_options({"utils": {"grad_norm_clip": False}})
+    trainer = ORTTrainer(model, None, _adam_with_weight_decay(), loss_fn=F.cross_entropy, options=options)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(5):
+        if step == 2:  # torch's schedule sets the weight decay off; the trainer goes on in a new one
+            torch_optimizer.param_groups[0]["weight_decay"] = 0.0
+            successor = ORTTrainer(model, None, optim.AdamConfig(lr=1e-2, lambda_coef=0.0, epsilon=1e-4),
+                                   loss_fn=F.cross_entropy, options=options)  # fmt: skip
+            successor.load_state_dict(trainer.state_dict())
+            trainer = successor
+        if step == 3:
+            torch_optimizer.param_groups[0]["lr"] = 3e-3
+            trainer.optim_config.lr = 3e-3
+        x, label = mlp_batch(generator=generator)
+        _step_both(trainer, reference, torch_optimizer, x, label, step)
 
 
 def test_eval_step_under_inference_mode_builds_its_graphs_and_evaluates_like_torch():

@@ -13,6 +13,8 @@ from math import inf
 from .._arguments import _NUMBER, _argument_error, _check_argument, _is_non_negative
 
 _OPTIMIZER_NAMES = ("AdamOptimizer", "LambOptimizer", "SGDOptimizer")
+_DEFAULTS_KEY = {"lambda_coef": "lambda"}  # an argument (and attribute) that defaults and groups store under another key
+_ATTRIBUTE = {key: argument for argument, key in _DEFAULTS_KEY.items()}
 _GROUPS_EXAMPLE = "params=[{'params': ['fc.weight', 'fc.bias'], 'alpha': 0.8}]"
 
 
@@ -25,7 +27,7 @@ def _check_group_keys(group, index, name, allowed):
                 f"rate drives every weight. Remove 'lr' from params[{index}] and pass lr to the config instead."
             )
         if key != "params" and key not in allowed and str(key).replace("_coef", "") not in allowed:
-            shown = ", ".join("lambda_coef" if hyper == "lambda" else hyper for hyper in allowed)
+            shown = ", ".join(_ATTRIBUTE.get(hyper, hyper) for hyper in allowed)
             raise ValueError(
                 f"params[{index}] has '{key}', which is not a hyper-parameter of {name}; a group may set {shown}. "
                 f"Remove '{key}' from params[{index}] or correct its spelling."
@@ -36,6 +38,7 @@ class _OptimizerConfig:
     """Base class of optimizer configs: validates and completes ``params`` groups."""
 
     _GROUPS_MAY_SET_LR = True  # False: one learning rate drives every weight
+    _mirrored = {}  # {attribute: value}: the hyper-parameters as attributes, as created (they mirror defaults)
 
     def __init__(self, name, params, defaults):
         _check_argument(name, str, f"'name' must be one of {', '.join(_OPTIMIZER_NAMES)}",
@@ -53,12 +56,34 @@ class _OptimizerConfig:
             _check_argument(group["params"], list, f"params[{index}]['params'] must be a list of weight names",
                             f"Write each group like {_GROUPS_EXAMPLE}.", lambda value: all(isinstance(item, str) for item in value))
             _check_group_keys(group, index, name, [key for key in defaults if key != "lr" or self._GROUPS_MAY_SET_LR])
-            group = {("lambda" if key == "lambda_coef" else key): value for key, value in group.items()}
+            group = {_DEFAULTS_KEY.get(key, key): value for key, value in group.items()}
             completed.append({**defaults, **group})
         self.name = name
         self.lr = float(defaults["lr"])
         self.defaults = defaults
         self.params = completed
+
+    def __repr__(self):
+        groups = f"params={self.params!r}, " if self.params else ""
+        settings = ", ".join(f"{_ATTRIBUTE.get(key, key)}={value!r}" for key, value in self.defaults.items())
+        return f"{type(self).__name__}({groups}{settings})"
+
+    def settings_read_once(self) -> list:
+        """[(key path, dict, key, value)] of what the trainer's update takes when it is built: the attributes, the
+        defaults and every group's entries, all but ``lr`` (read at every step); lists copied, to compare later."""
+        attributes = vars(self)
+        return [*[(f"optim_config.{key}", attributes, key, value) for key, value in attributes.items()
+                  if key not in ("name", "lr", "defaults", "params") and not key.startswith("_")],
+                *[(f"optim_config.defaults[{key!r}]", self.defaults, key, value) for key, value in self.defaults.items()
+                  if key != "lr"],
+                *[(f"optim_config.params[{index}][{key!r}]", group, key, copy.copy(value))
+                  for index, group in enumerate(self.params) for key, value in group.items()]]  # fmt: skip
+
+    def attributes_set_since_creation(self) -> dict:
+        """{attribute: 'optim_config.<attribute> was set to <value> (created with <value>)'} of each hyper-parameter
+        attribute set after the config was created: the update reads defaults and params, which they only mirror."""
+        return {key: f"optim_config.{key} was set to {now!r} (created with {value!r})"
+                for key, value in self._mirrored.items() if (now := getattr(self, key)) is not value and now != value}
 
     def naming_tied_weights(self, aliases: dict):
         """A copy whose groups also name each tied weight by the name the trainer keeps it under (``aliases``:
@@ -109,11 +134,11 @@ class _MomentConfig(_OptimizerConfig):
 
     def __init__(self, name, params, settings: dict):
         _check_moment_settings(type(self).__name__, settings)
-        defaults = {("lambda" if key == "lambda_coef" else key): value for key, value in settings.items()}
+        defaults = {_DEFAULTS_KEY.get(key, key): value for key, value in settings.items()}
         super().__init__(name, params, defaults)
-        for key, value in settings.items():
-            if key != "lr":
-                setattr(self, key, value)
+        self._mirrored = {key: value for key, value in settings.items() if key != "lr"}
+        for key, value in self._mirrored.items():
+            setattr(self, key, value)
 
 
 class AdamConfig(_MomentConfig):
