@@ -59,8 +59,8 @@ class ModuleAsBuilt:
     def written(self, trained_values) -> list:
         """The weights and buffers written since the build (or the last ``values_synced``) with values other than the
         trainer's (``trained_values()``, {state_dict name: tensor}); if all were written with the trainer's own, they
-        count as synced. Every buffer of a module with a buffer written is compared: a BatchNorm's forward bumps the version
-        of ``num_batches_tracked`` only, not of the running statistics it writes too."""
+        count as synced. Every buffer of a module with a buffer written is compared: a BatchNorm's forward bumps the
+        version of ``num_batches_tracked`` only, not of the running statistics it writes too."""
         changed = [_written_state(tensor) != was for _, _, tensor, was, _ in self.contents]
         if not any(changed):
             return []

@@ -271,7 +271,8 @@ class ORTTrainer:
 
     def _refuse_setting_edits(self) -> None:
         """The options and optim_config must be what the build took (all but the learning rate and the options read at
-        every step), and optim_config's hyper-parameter attributes as created: the update reads its defaults and groups."""
+        every step), and optim_config's hyper-parameter attributes as created: the update reads its defaults and
+        groups."""
         changed = changed_values(self._settings_as_built)
         if changed:
             raise ValueError(
