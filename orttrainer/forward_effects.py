@@ -238,9 +238,26 @@ def module_state(model: torch.nn.Module, loss_fn, attributes=True) -> dict:
     return state
 
 
+class _Cell:
+    """A closure cell read as a dict of one entry (``get(None)``): a variable a hook closes over, which the enclosing
+    function (a training script's ``main``) or ``nonlocal`` may rebind between steps."""
+
+    __slots__ = ("cell",)
+
+    def __init__(self, cell):
+        self.cell = cell
+
+    def get(self, key, default=None):
+        try:
+            return self.cell.cell_contents
+        except ValueError:  # the variable was deleted
+            return default
+
+
 def hook_variables(layer: torch.nn.Module, where: str) -> list:
-    """[(description, dict or None, key, value)] of the Python numbers and strings that the forward hooks of ``layer``
-    close over, alone (dict None) or as values of a dict the hook holds (the dict and the value's key)."""
+    """[(description, holder, key, value)] of the Python numbers and strings that the forward hooks of ``layer``
+    close over, alone (holder: the variable's cell read as a dict, key None) or as values of a dict the hook holds
+    (the dict and the value's key)."""
     found = []
     for hook in [*layer._forward_pre_hooks.values(), *layer._forward_hooks.values()]:
         code, cells = getattr(hook, "__code__", None), getattr(hook, "__closure__", None) or ()
@@ -249,10 +266,10 @@ def hook_variables(layer: torch.nn.Module, where: str) -> list:
                 value = cell.cell_contents
             except ValueError:  # a cell not yet filled
                 continue
-            holder = value if isinstance(value, dict) else None
-            for key, item in value.items() if holder is not None else [(None, value)]:
+            holder = value if isinstance(value, dict) else _Cell(cell)
+            for key, item in value.items() if isinstance(value, dict) else [(None, value)]:
                 if comparable(item):
-                    variable = name if holder is None else f"{name}[{key!r}]"
+                    variable = f"{name}[{key!r}]" if isinstance(value, dict) else name
                     found.append((f"{variable}, a variable of the forward hook {hook.__qualname__} of module '{where}'",
                                   holder, key, item))  # fmt: skip
     return found

@@ -3,7 +3,7 @@
 The trainer copies the module at its first step and trains the copy (build.TorchSource): a change to the user's module
 after that never reaches the graphs. In a torch loop the same change takes effect at the next step, and some are how
 a loop steers training: layers unfrozen, a BatchNorm put in eval(), a temperature or a drop rate set between epochs,
-a head replaced, a hook added or the values of a dict it reads changed. ``module_as_built`` keeps at the build what
+a head replaced, a hook added, a variable it closes over rebound or the values of a dict it reads changed. ``module_as_built`` keeps at the build what
 such changes touch, in flat lists (an entry is read in well under a microsecond; ``module.parameters()`` walks the
 module tree), and ``changes`` names what differs at a later step, so that the trainer refuses the step instead of
 training the module as it was.
@@ -34,7 +34,7 @@ class ModuleAsBuilt:
 
     requires_grad: list  # (parameter name, parameter, requires_grad)
     training: list  # (module name, module, its mode as trained: a root in eval() trains in train() throughout)
-    values: list  # (description, a module's __dict__ or a dict a hook holds, key, value): Python numbers, strings, None
+    values: list  # (description, a module's __dict__, a hook's dict or variable, key, value): numbers, strings, None
     objects: list  # (description, container, key, object): tensor attributes and _CONTAINERS' entries, by identity
     sizes: list  # (description, container, length): an entry added to a container
     contents: list  # (description, state_dict name, tensor, (version counter, storage address), owner's path)
@@ -121,9 +121,7 @@ def module_as_built(model: torch.nn.Module, loss_fn) -> ModuleAsBuilt:
                 values.append((f"attribute '{name}' of {where}", attributes, name, value))
         if not isinstance(owner, torch.nn.Module):
             continue
-        values += [(description, holder, key, value)  # a dict a forward hook holds, which a loop may change
-                   for description, holder, key, value in hook_variables(owner, path or "the model")
-                   if holder is not None]
+        values += hook_variables(owner, path or "the model")  # a variable or dict a forward hook reads
         for container_name, kind in _CONTAINERS:
             container = attributes[container_name]
             objects += [(f"{kind} '{key}' of {where}" if isinstance(key, str) else f"a {kind} of {where}", container, key,

@@ -884,6 +884,22 @@ def test_a_value_a_forward_hook_reads_changed_after_the_first_step_is_refused():
         trainer.train_step(*mlp_batch())
 
 
+def test_a_variable_a_forward_hook_closes_over_rebound_after_the_first_step_is_refused():
+    """A hook reading a local variable of the training script (``factor`` in its ``main``) that the loop anneals by
+    assigning it again: torch's loop uses the new value, the trace kept the first step's."""
+    model = MLP()
+    factor = 1.0
+    model.fc1.register_forward_hook(lambda module, inputs, output: output * factor)
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
+    trainer.train_step(*mlp_batch())
+    factor = 0.5
+    with pytest.raises(ValueError, match=r"since the trainer's first step, factor, a variable of the forward hook .* of "
+                                         r"module 'fc1' went 1.0 -> 0.5"):  # fmt: skip
+        trainer.train_step(*mlp_batch())
+    factor = 1.0  # back to the value the graphs were built with: nothing changed
+    trainer.train_step(*mlp_batch())
+
+
 def test_a_weight_frozen_after_the_first_step_is_no_reason_to_refuse_an_evaluation():
     """eval_step runs every module in eval mode and computes no gradient: requires_grad and modes changed since the first
     step do not change what it computes (train_step refuses them)."""
