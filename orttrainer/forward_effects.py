@@ -10,14 +10,22 @@ the first step's world while torch's loop carries on:
   changed in forward, the variables forward hooks close over (``module_state`` before, ``state_changes`` after).
 
 export.py takes these snapshots around its runs of forward and refuses with what they find; ``user_location``
-names the user's line of a finding or of an exporter warning.
+names the user's line of a finding or of an exporter warning. A third kind, the Python values forward reads from the
+script (``values_read_by_name``: globals, ``args.tau``), is the same at the export and changes later: module_edits.py
+compares them at every step.
 """
 
+import argparse
 import contextlib
+import dataclasses
+import functools
+import inspect
 import linecache
 import os
 import random
 import sys
+import sysconfig
+import types
 import warnings
 from dataclasses import dataclass
 
@@ -27,6 +35,8 @@ import torch
 
 _TORCH_DIRECTORY = os.path.dirname(torch.__file__) + os.sep
 ORTTRAINER_DIRECTORY = os.path.dirname(__file__) + os.sep
+# Where installed code lives (the standard library, site-packages): its globals are its own, not the training script's.
+_INSTALLED_DIRECTORIES = tuple({sysconfig.get_paths()[key] + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib")})
 _MISSING = object()
 
 
@@ -196,6 +206,86 @@ def comparable(value) -> bool:
     if isinstance(value, tuple):
         return all(map(comparable, value))
     return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _scripts_code(filename: str) -> bool:
+    """Whether ``filename`` is the user's own code: not torch's or orttrainer's, nor an installed package's."""
+    return is_users_code(filename) and not filename.startswith(_INSTALLED_DIRECTORIES)
+
+
+def _namespace_entries(namespace):
+    """The dict that holds a namespace's values (a dict, argparse.Namespace, SimpleNamespace, or an instance of a
+    dataclass of the user's: where a script keeps its hyper-parameters, ``args.tau``), or None for anything else. A
+    package's dataclass is left out: a Hugging Face config is one, and ``save_pretrained`` sets its ``dtype``."""
+    if isinstance(namespace, dict):
+        return namespace
+    if isinstance(namespace, (argparse.Namespace, types.SimpleNamespace)) or (
+            dataclasses.is_dataclass(namespace) and not isinstance(namespace, type)
+            and _scripts_code(getattr(sys.modules.get(type(namespace).__module__), "__file__", None) or "")):  # fmt: skip
+        return getattr(namespace, "__dict__", None)  # a dataclass with slots has none
+    return None
+
+
+def _code_objects(code: types.CodeType):
+    yield code
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):  # a lambda, comprehension or function inside
+            yield from _code_objects(constant)
+
+
+def _scripts_functions(model: torch.nn.Module, loss_fn) -> list:
+    """[(module path or None, module or None, function)] of the forwards, forward hooks and loss written in the user's
+    own files (not an installed package's), each function once."""
+    found, seen = [], set()
+
+    def add(path, module, function):
+        function = inspect.unwrap(getattr(function, "__func__", function))
+        while isinstance(function, functools.partial):
+            function = function.func
+        code = getattr(function, "__code__", None)
+        if code is None or id(function) in seen or not _scripts_code(code.co_filename):
+            return
+        seen.add(id(function))
+        found.append((path, module, function))
+
+    for path, owner in state_owners(model, loss_fn):
+        if isinstance(owner, torch.nn.Module):
+            add(path, owner, type(owner).forward)
+            for hook in [*owner._forward_pre_hooks.values(), *owner._forward_hooks.values()]:
+                add(path, owner, hook)
+    if callable(loss_fn) and not isinstance(getattr(loss_fn, "__self__", loss_fn), torch.nn.Module):
+        add(None, None, loss_fn)
+    return found
+
+
+def values_read_by_name(model: torch.nn.Module, loss_fn) -> list:
+    """[(description, dict, key, value)] of the Python numbers and strings that the user's forwards, forward hooks and
+    loss read by name where a trace cannot see them change: module-level globals, and the attributes they name of a
+    namespace (``_namespace_entries``) held as a global or as an attribute of the module (``args.tau``,
+    ``self.hparams.tau``). The trace keeps their values of the first step; a loop that anneals one changes what torch
+    computes. Only the attributes (or string keys) the code names are taken, so ``args.epoch`` set by the loop is no
+    change unless forward reads it. Installed packages' code (torch, transformers) is not read."""
+    entries = {}
+
+    def add(description, holder, key):
+        if comparable(holder[key]):
+            entries.setdefault((id(holder), key), (description, holder, key, holder[key]))
+
+    for path, module, function in _scripts_functions(model, loss_fn):
+        codes = list(_code_objects(function.__code__))
+        names = {name for code in codes for name in code.co_names}
+        keys = names | {constant for code in codes for constant in code.co_consts if isinstance(constant, str)}
+        reader = function.__qualname__ + (f" of module '{path or 'the model'}'" if module is not None else "")
+        held = {name: function.__globals__[name] for name in names & function.__globals__.keys()}
+        for name in held:
+            add(f"global '{name}' read by {reader}", function.__globals__, name)
+        if module is not None:
+            held.update({name: value for name, value in vars(module).items() if name not in MODULE_INTERNALS})
+        for name, namespace in held.items():
+            holder = _namespace_entries(namespace)
+            for key in keys & holder.keys() if holder is not None else ():
+                add(f"'{name}.{key}' read by {reader}", holder, key)
+    return list(entries.values())
 
 
 def state_owners(model: torch.nn.Module, loss_fn) -> list:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .forward_effects import MODULE_INTERNALS, comparable, hook_variables, state_owners
+from .forward_effects import MODULE_INTERNALS, comparable, hook_variables, state_owners, values_read_by_name
 
 # A module's containers whose entries the graphs were built from, compared by identity: (attribute, what an entry is).
 _CONTAINERS = (("_modules", "submodule"), ("_parameters", "parameter"), ("_buffers", "buffer"),
@@ -132,4 +132,5 @@ def module_as_built(model: torch.nn.Module, loss_fn) -> ModuleAsBuilt:
                 if tensor is not None:  # a tied weight once, under its first name
                     contents.setdefault(id(tensor), (f"{kind} '{key}' of {where}", f"{path}.{key}".lstrip("."), tensor,
                                                      _written_state(tensor), path))  # fmt: skip
+    values += values_read_by_name(model, loss_fn)
     return ModuleAsBuilt(requires_grad, training, values, objects, sizes, list(contents.values()))

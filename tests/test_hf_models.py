@@ -518,3 +518,33 @@ def test_random_layer_skips_and_masks_drawn_in_python_are_refused(changes, messa
     with pytest.raises(ExportError, match=message):
         for _ in range(2):
             trainer.train_step(**zoo.audio_batch(4, generator=generator))
+
+
+class _CausalLMWithItsConfig(nn.Module):
+    """A user's wrapper that keeps the Hugging Face model's config beside it and names ``dtype`` in its forward."""
+
+    def __init__(self, backbone):
+        super().__init__()
+        self.backbone, self.config = backbone, backbone.config
+
+    def forward(self, input_ids, attention_mask, labels):
+        output = self.backbone(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        return output.loss.to(output.logits.dtype)
+
+
+def test_save_pretrained_between_steps_is_no_edit_of_a_wrapper_that_holds_the_config(tmp_path):
+    """save_pretrained sets the config's ``dtype`` (None -> 'float32') and ``architectures``: a config is a package's
+    dataclass, whose fields the between-steps check does not compare (forward_effects._namespace_entries), or the
+    commonest Hugging Face loop (sync, save a checkpoint, train on) would be refused."""
+    _transformers()
+    import zoo
+
+    torch.manual_seed(0)
+    model = _CausalLMWithItsConfig(zoo.gpt2_lm())
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), options=cpu_options())
+    generator = torch.Generator().manual_seed(0)
+    trainer.train_step(**zoo.causal_lm_batch(4, 12, generator=generator))
+    trainer.sync_to_module()
+    model.backbone.save_pretrained(tmp_path)
+    assert model.config.dtype is not None, "save_pretrained no longer sets the config's dtype: the test shows nothing"
+    trainer.train_step(**zoo.causal_lm_batch(4, 12, generator=generator))

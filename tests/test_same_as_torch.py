@@ -1,12 +1,15 @@
 """Models from ordinary PyTorch code train exactly as torch trains them, or are refused with a
 clear error before training: never silently different. Each case goes through the public API."""
 
+import argparse
 import collections
 import copy
 import functools
 import math
 import random
 import re
+import sys
+import types
 import warnings
 
 import numpy as np
@@ -898,6 +901,47 @@ def test_a_variable_a_forward_hook_closes_over_rebound_after_the_first_step_is_r
         trainer.train_step(*mlp_batch())
     factor = 1.0  # back to the value the graphs were built with: nothing changed
     trainer.train_step(*mlp_batch())
+
+
+_TEMPERATURE = 1.0  # a training script's globals, read by ScriptTempered's forward
+_ARGS = argparse.Namespace(tau=1.0, epoch=0)
+
+
+class ScriptTempered(nn.Module):
+    """An MLP scaled by what a training script keeps outside the module: a global, its parsed arguments, and
+    hyper-parameters held as a namespace (``self.hparams``, as a Lightning module keeps them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.hparams = MLP(), types.SimpleNamespace(scale=2.0, name="run 1")
+
+    def forward(self, x):
+        return self.body(x) * self.hparams.scale / _TEMPERATURE / _ARGS.tau
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda patch, model: patch.setattr(sys.modules[__name__], "_TEMPERATURE", 0.5),
+     "global '_TEMPERATURE' read by ScriptTempered.forward of module 'the model' went 1.0 -> 0.5"),
+    (lambda patch, model: patch.setattr(_ARGS, "tau", 0.5), "'_ARGS.tau' read by ScriptTempered.forward"),
+    (lambda patch, model: setattr(model.hparams, "scale", 3.0), "'hparams.scale' read by ScriptTempered.forward"),
+    (lambda patch, model: patch.setattr(_ARGS, "epoch", 1), None),
+    (lambda patch, model: setattr(model.hparams, "name", "run 2"), None),
+], ids=["global", "parsed-argument", "module-namespace", "argument-forward-does-not-read", "name-forward-does-not-read"])  # fmt: skip
+def test_a_value_forward_reads_from_the_script_changed_after_the_first_step_is_refused(monkeypatch, edit, message):
+    """A loop that anneals a temperature kept as a global or in ``args`` changes what torch's forward computes from the
+    next step; the trace kept the first step's value (forward_effects.values_read_by_name). Values forward does not
+    read (``args.epoch`` set by the loop) are no change."""
+    torch.manual_seed(0)
+    model = ScriptTempered()
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
+    trainer.train_step(*mlp_batch())
+    edit(monkeypatch, model)
+    if message is None:
+        trainer.train_step(*mlp_batch())
+        return
+    with pytest.raises(ValueError, match=rf"since the trainer's first step, {re.escape(message)}.*: the trainer trains a "
+                                         r"copy of the module taken then, with the values its forward read then"):
+        trainer.train_step(*mlp_batch())
 
 
 def test_a_weight_frozen_after_the_first_step_is_no_reason_to_refuse_an_evaluation():
