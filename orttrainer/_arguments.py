@@ -20,7 +20,7 @@ def _is_positive(value) -> bool:
 
 def _shown(value) -> str:
     """The value as an error message shows it: type and a repr cut to one short line."""
-    text = repr(value)
+    text = " ".join(repr(value).split())  # a module's repr spans lines
     text = text if len(text) <= 80 else text[:77] + "..."
     return text if value is None else f"{type(value).__name__} {text}"
 

@@ -82,7 +82,24 @@ def _check_constructor_arguments(model, model_desc, optim_config, loss_fn, optio
                                   "and pass loss_fn=None.")
     elif not isinstance(model, torch.nn.Module):
         raise _argument_error(ValueError, "'model' must be either 'torch.nn.Module' or 'onnx.ModelProto'", model, model_fix)
+    else:
+        _refuse_wrapped_module(model)
     _check_weight_names(model, optim_config, options)
+
+
+def _refuse_wrapped_module(model: torch.nn.Module) -> None:
+    """torch.compile's and data parallelism's wrappers change how torch runs a module, not what it computes, and
+    orttrainer does both jobs itself: the module to pass is the one inside (its state_dict names have no wrapper's
+    prefix). (A TorchScript module is refused at the export, with its scripted submodules: export.py.)"""
+    inner = getattr(model, "_orig_mod", None) if type(model).__name__ == "OptimizedModule" else None
+    if isinstance(inner, torch.nn.Module):
+        raise _argument_error(TypeError, "'model' must be the module to train, not torch.compile's wrapper of it", model,
+                              f"Pass model._orig_mod (the {type(inner).__name__} it wraps): orttrainer runs the "
+                              "module with ONNX Runtime in torch.compile's place.")  # fmt: skip
+    if isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
+        raise _argument_error(TypeError, f"'model' must be the module to train, not a {type(model).__name__} wrapper of "
+                              "it", model, f"Pass model.module (the {type(model.module).__name__} it wraps): under "
+                              "torchrun, orttrainer averages the ranks' gradients itself.")  # fmt: skip
 
 
 def _check_weight_names(model, optim_config, options) -> None:

@@ -182,6 +182,21 @@ def test_wrong_constructor_arguments():
         ORTTrainer(MLP(), {"inputs": [["x", [1]]], "outputs": [("loss", [], True)]}, optim.SGDConfig())
 
 
+@pytest.mark.parametrize("wrap, message", [
+    (torch.compile, r"'model' must be the module to train, not torch.compile's wrapper of it, got OptimizedModule .*"
+                    r"Pass model._orig_mod \(the MLP it wraps\)"),
+    (nn.DataParallel, r"'model' must be the module to train, not a DataParallel wrapper of it, got DataParallel .*"
+                      r"Pass model.module \(the MLP it wraps\)"),
+], ids=["torch.compile", "DataParallel"])  # fmt: skip
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch.compile's import
+def test_a_wrapped_module_is_refused_naming_the_module_inside(wrap, message):
+    """A torch loop often holds its model as torch.compile(model) or DataParallel(model); the trainer failed at the
+    first step with an error about forward's positional inputs and a model_desc, which named neither the wrapper nor
+    the fix."""
+    with pytest.raises(TypeError, match=message):
+        ORTTrainer(wrap(MLP()), None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
+
+
 def test_cuda_device_without_cuda_is_a_clear_error():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA; the error is for machines without it")
