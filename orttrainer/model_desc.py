@@ -277,17 +277,18 @@ def _in_desc_order(entries, args, kwargs, model):
 
 def _named_by_forward(model, args, kwargs, has_label):
     kwargs = dict(kwargs)
-    label = []
+    label, label_positional = [], False
     if has_label:
         if LABEL_NAME in kwargs:
             label = [kwargs.pop(LABEL_NAME)]
         elif args:
-            args, label = args[:-1], [args[-1]]
+            args, label, label_positional = args[:-1], [args[-1]], True
         else:
             raise ValueError(f"a loss_fn is set, so the batch needs a label: the last positional input or '{LABEL_NAME}='")
     positional = forward_input_names(model, len(args))
     by_keyword = forward_keywords(model)
     _refuse_unknown_keys(model, list(kwargs), by_keyword)
+    _refuse_missing_inputs(model, positional + list(kwargs), label_positional)
     twice = [key for key in kwargs if key in positional]
     if twice:
         raise ValueError(f"inputs {twice} are given both positionally and by keyword")
@@ -296,6 +297,20 @@ def _named_by_forward(model, args, kwargs, has_label):
     keywords = [name for name in given if name not in constants]
     names = positional + keywords + [LABEL_NAME] * len(label)
     return names, list(args) + [kwargs[name] for name in keywords] + label, constants
+
+
+def _refuse_missing_inputs(model, given, label_positional: bool) -> None:
+    """Every parameter of ``model.forward`` without a default must be ``given``, else ValueError naming them (torch's
+    own TypeError comes out of the export, and named the input the user did pass when the label was missing)."""
+    missing = [name for name, parameter in forward_parameters(model).items()
+               if parameter.default is inspect.Parameter.empty and name not in given
+               and parameter.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]  # fmt: skip
+    if missing:
+        raise ValueError(
+            f"{type(model).__name__}.forward needs {missing}, which this batch does not give"
+            + ("; with a loss_fn the last positional input is the label, so the batch's last tensor went to the loss: "
+               "pass the inputs, then the label" if label_positional else "")
+        )  # fmt: skip
 
 
 def _refuse_unknown_keys(model, keys, by_keyword) -> None:

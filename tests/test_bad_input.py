@@ -46,6 +46,16 @@ def test_wrong_number_of_inputs(initialized):
     assert_untouched(trainer, before)
 
 
+def test_a_batch_without_its_label_says_the_last_positional_input_is_the_label():
+    """train_step(x) with a loss_fn and no model_desc: x went to the loss as the label, and the first step failed with
+    torch's "forward() missing 1 required positional argument: 'x'", naming the input the user did pass."""
+    trainer = ORTTrainer(MLP(), None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
+    x, _ = mlp_batch()
+    with pytest.raises(ValueError, match=r"MLP.forward needs \['x'\], which this batch does not give; with a loss_fn the "
+                                         r"last positional input is the label"):  # fmt: skip
+        trainer.train_step(x)
+
+
 def test_float64_input_for_float32_is_refused_with_names():
     trainer = make_trainer(MLP_DESC)
     x, y = mlp_batch()
