@@ -29,6 +29,7 @@ from .model_outputs import as_list
 from .module_edits import changed_values, module_as_built
 from .optim import _update
 from ._arguments import _argument_error, _check_argument, _is_non_negative
+from .optim._from_torch import equivalent_config
 from .optim.config import _OptimizerConfig
 from .options import ORTTrainerOptions, check_implemented, own_copy, settings_read_once
 from .state import TrainerState, check_against_module, read_checkpoint, write_checkpoint
@@ -67,6 +68,9 @@ def _check_constructor_arguments(model, model_desc, optim_config, loss_fn, optio
                               model, model_fix)
     _check_argument(model_desc, (dict, type(None)), "'model_desc' must be a 'dict' (or None to infer it)",
                     "Pass {'inputs': [(name, shape), ...], 'outputs': [(name, shape, is_loss), ...]} or None.")
+    if isinstance(optim_config, torch.optim.Optimizer):
+        raise _argument_error(TypeError, "'optim_config' must be an orttrainer.optim config, not a torch optimizer",
+                              optim_config, equivalent_config(optim_config, model)[2])  # fmt: skip
     _check_argument(optim_config, _OptimizerConfig,
                     "'optim_config' is required and must be any of 'AdamConfig', 'LambConfig' or 'SGDConfig'",
                     "Pass e.g. optim.SGDConfig(lr=0.001) or optim.AdamConfig(lr=0.001) from orttrainer.optim.")

@@ -37,16 +37,19 @@ def run_parity(model, batches, optim_config, torch_optimizer, loss_fn=None, opti
     trainer = ORTTrainer(model, model_desc, optim_config, loss_fn=loss_fn, options=options or cpu_options())
     optimizer = torch_optimizer(reference.parameters())
     for step, batch in enumerate(batches, 1):
-        outputs = trainer.train_step(*batch)
-        ort_loss = outputs[0] if isinstance(outputs, list) else outputs
-        optimizer.zero_grad()
-        if reference_loss is None:
-            loss = loss_fn(reference(*batch[:-1]), batch[-1])
-        else:
-            loss = reference_loss(reference, batch)
-        loss.backward()
-        optimizer.step()
-        torch.testing.assert_close(ort_loss, loss.detach(), atol=atol, rtol=1e-5, equal_nan=True,
-                                   msg=lambda m: f"loss at step {step}: {m}")  # fmt: skip
-        assert_close_state(trainer, reference, atol=atol, step=step)
+        step_both(trainer, reference, optimizer, batch, step, loss_fn, reference_loss, atol)
     return trainer, reference
+
+
+def step_both(trainer, reference, optimizer, batch, step, loss_fn, reference_loss=None, atol=1e-5):
+    """One train_step, and one step of a torch loop with ``optimizer`` over ``reference``, on ``batch``: the same loss
+    and state_dict after it."""
+    outputs = trainer.train_step(*batch)
+    ort_loss = outputs[0] if isinstance(outputs, list) else outputs
+    optimizer.zero_grad()
+    loss = loss_fn(reference(*batch[:-1]), batch[-1]) if reference_loss is None else reference_loss(reference, batch)
+    loss.backward()
+    optimizer.step()
+    torch.testing.assert_close(ort_loss, loss.detach(), atol=atol, rtol=1e-5, equal_nan=True,
+                               msg=lambda m: f"loss at step {step}: {m}")  # fmt: skip
+    assert_close_state(trainer, reference, atol=atol, step=step)

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from models import MLP, Encoder, lm_loss, mlp_batch, token_batch
-from parity import cpu_options, run_parity
+from parity import assert_close_state, cpu_options, run_parity, step_both
 from reference_optim import ReferenceOptimizer, legacy_hyper_parameters
 
 from orttrainer import ORTTrainer, optim
@@ -209,3 +209,68 @@ def test_config_defaults_are_legacy():
     assert adam.weight_decay_mode == DecayMode.BEFORE_WEIGHT_UPDATE
     assert (lamb.epsilon, lamb.do_bias_correction, lamb.ratio_min, lamb.ratio_max) == (1e-6, False, float("-inf"), float("inf"))
     assert optim.SGDConfig().name == "SGDOptimizer" and adam.name == "AdamOptimizer" and lamb.name == "LambOptimizer"
+
+
+def _with_decay_on_weights_only(model, **settings):
+    weights = [parameter for name, parameter in model.named_parameters() if name.endswith("weight")]
+    biases = [parameter for name, parameter in model.named_parameters() if name.endswith("bias")]
+    return torch.optim.AdamW([{"params": weights}, {"params": biases, "weight_decay": 0.0}], **settings)
+
+
+@pytest.mark.parametrize("make", [
+    lambda model: torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.8, 0.99), eps=EPSILON, weight_decay=0.05),
+    lambda model: _with_decay_on_weights_only(model, lr=3e-3, eps=EPSILON, weight_decay=0.1),
+    lambda model: torch.optim.Adam(model.parameters(), lr=1e-3, eps=EPSILON),
+    lambda model: torch.optim.AdamW(model.fc1.parameters(), lr=1e-3, eps=EPSILON),
+    lambda model: torch.optim.SGD(model.parameters(), lr=0.1),
+], ids=["adamw", "adamw-no-decay-on-biases", "adam", "adamw-over-one-layer", "sgd"])  # fmt: skip
+def test_the_config_a_torch_optimizer_is_refused_with_trains_as_that_optimizer(make):
+    """A torch loop's optimizer passed as optim_config is refused with the equivalent config and options
+    (optim/_from_torch.py): that config trains as the torch optimizer does, every step, groups and frozen weights too."""
+    from orttrainer.optim._from_torch import equivalent_config
+
+    torch.manual_seed(0)
+    model = MLP()
+    reference = copy.deepcopy(model)
+    torch_optimizer = make(reference)
+    with pytest.raises(TypeError, match=r"'optim_config' must be an orttrainer.optim config, not a torch optimizer.*"
+                                        r"The same update is optim\.(Adam|SGD)Config\("):  # fmt: skip
+        ORTTrainer(model, None, make(model), loss_fn=F.cross_entropy)
+    config, options, _ = equivalent_config(make(model), model)
+    trainer = ORTTrainer(model, None, config, loss_fn=F.cross_entropy, options=cpu_options(options))
+    generator = torch.Generator().manual_seed(3)
+    for step in range(STEPS):
+        step_both(trainer, reference, torch_optimizer, mlp_batch(generator=generator), step, F.cross_entropy)
+
+
+@pytest.mark.parametrize("make, reason", [
+    (lambda model: torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), "its momentum is not 0"),
+    (lambda model: torch.optim.Adam(model.parameters(), weight_decay=1e-4), "torch's Adam adds its weight decay to the "
+                                                                             "gradient"),
+    (lambda model: torch.optim.AdamW(model.parameters(), amsgrad=True), "amsgrad is on"),
+    (lambda model: torch.optim.RMSprop(model.parameters()), "no legacy config is RMSprop"),
+], ids=["sgd-momentum", "adam-l2", "amsgrad", "rmsprop"])  # fmt: skip
+def test_a_torch_optimizer_without_an_equivalent_is_refused_saying_why(make, reason):
+    model = MLP()
+    with pytest.raises(TypeError, match=rf"No orttrainer config updates as this torch.optim.\w+ does: {reason}"):
+        ORTTrainer(model, None, make(model), loss_fn=F.cross_entropy)
+
+
+def test_the_legacy_clipping_is_torchs_clip_grad_norm():
+    """What the refusal above advises for a loop that calls clip_grad_norm_(parameters, c): keep utils.grad_norm_clip
+    and pass max_norm_clip=c (torch divides by the norm + 1e-6: a difference of rounding)."""
+    torch.manual_seed(0)
+    model = MLP()
+    reference = copy.deepcopy(model)
+    torch_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=EPSILON, weight_decay=0.0)
+    trainer = ORTTrainer(model, None, optim.AdamConfig(lr=1e-2, epsilon=EPSILON, max_norm_clip=0.05),
+                         loss_fn=F.cross_entropy, options=cpu_options())  # fmt: skip
+    generator = torch.Generator().manual_seed(3)
+    for step in range(STEPS):
+        x, label = mlp_batch(generator=generator)
+        trainer.train_step(x, label)
+        torch_optimizer.zero_grad()
+        F.cross_entropy(reference(x), label).backward()
+        assert torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05) > 0.05, "the norm is clipped at every step"
+        torch_optimizer.step()
+        assert_close_state(trainer, reference, step=step)

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from models import CNN, MLP, VOCAB, Encoder, NoGradTarget, StraightThrough, cnn_batch, mlp_batch, token_batch
-from parity import assert_close_state, cpu_options, run_parity
+from parity import assert_close_state, cpu_options, run_parity, step_both
 
 from orttrainer import GradientBuildError, ORTTrainer, ORTTrainerOptions, amp, build, export, optim
 from orttrainer.export import ExportError
@@ -1024,17 +1024,6 @@ def test_values_written_into_the_module_after_the_first_step_are_refused_naming_
     assert_close_state_dicts(trainer.state_dict(pytorch_format=True), before)
 
 
-def _step_both(trainer, reference, torch_optimizer, x, label, step):
-    """One train_step, one step of the torch loop on the same batch: the same loss and state_dict after it."""
-    loss = trainer.train_step(x, label)[0]
-    torch_optimizer.zero_grad()
-    reference_loss = F.cross_entropy(reference(x), label)
-    reference_loss.backward()
-    torch_optimizer.step()
-    torch.testing.assert_close(loss, reference_loss.detach(), atol=1e-5, rtol=1e-5)
-    assert_close_state(trainer, reference, step=step)
-
-
 def test_the_module_loaded_with_the_trained_state_between_steps_trains_like_torch():
     """The legacy ORTTrainer had no sync_to_module: its users loaded state_dict(pytorch_format=True) into the module to
     evaluate it in torch between epochs. That writes the module's tensors with the trainer's own values: no edit."""
@@ -1046,7 +1035,7 @@ def test_the_module_loaded_with_the_trained_state_between_steps_trains_like_torc
     generator = torch.Generator().manual_seed(0)
     for step in range(3):
         x, label = cnn_batch(generator=generator)
-        _step_both(trainer, reference, torch_optimizer, x, label, step)
+        step_both(trainer, reference, torch_optimizer, (x, label), step, F.cross_entropy)
         model.load_state_dict(trainer.state_dict(pytorch_format=True), strict=False)
         model.eval()
         with torch.no_grad():
@@ -1121,7 +1110,7 @@ def test_a_weight_decay_schedule_goes_on_in_a_new_trainer_as_torch_changes_its_p
             torch_optimizer.param_groups[0]["lr"] = 3e-3
             trainer.optim_config.lr = 3e-3
         x, label = mlp_batch(generator=generator)
-        _step_both(trainer, reference, torch_optimizer, x, label, step)
+        step_both(trainer, reference, torch_optimizer, (x, label), step, F.cross_entropy)
 
 
 def test_eval_step_under_inference_mode_builds_its_graphs_and_evaluates_like_torch():
