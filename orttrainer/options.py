@@ -34,6 +34,7 @@ class _Option:
     max: Optional[int] = None
     nullable: bool = False
     check: Optional[Callable[[Any], Optional[str]]] = None  # extra rule, returns an error or None
+    hint: str = ""  # what to pass instead, added to a type error
 
 
 def _default_device() -> str:
@@ -88,10 +89,14 @@ _SCHEMA = {
         "deepspeed_zero_optimization": {"stage": _Option(int, 0, min=0, max=1)},
         "enable_adasum": _Option(bool, False),
     },
-    "lr_scheduler": _Option(lr_scheduler._LRScheduler, None, nullable=True),
+    "lr_scheduler": _Option(lr_scheduler._LRScheduler, None, nullable=True,
+                            hint="orttrainer.optim's schedulers take the place of torch's: LinearWarmupLRScheduler, "
+                                 "CosineWarmupLRScheduler, PolyWarmupLRScheduler, ConstantWarmupLRScheduler, whose "
+                                 "total_steps counts optimizer updates; or set trainer.optim_config.lr before a step"),
     "mixed_precision": {
         "enabled": _Option(bool, False),
-        "loss_scaler": _Option(amp.LossScaler, None, nullable=True),
+        "loss_scaler": _Option(amp.LossScaler, None, nullable=True,
+                               hint="orttrainer.amp.DynamicLossScaler() takes the place of torch's GradScaler"),
     },
     "graph_transformer": {
         "attn_dropout_recompute": _Option(bool, False),
@@ -170,7 +175,7 @@ def _type_error(option: _Option, value) -> Optional[str]:
         ok = isinstance(value, kind)
     if not ok:
         name = _TYPE_NAMES.get(kind, kind.__name__)
-        return f"must be of {name} type, got {type(value).__name__} {value!r}"
+        return f"must be of {name} type, got {type(value).__name__} {value!r}" + (f" ({option.hint})" if option.hint else "")
     if option.min is not None and value < option.min:
         return f"min value is {option.min}, got {value}"
     if option.max is not None and value > option.max:

@@ -168,3 +168,16 @@ def test_debug_graph_save_paths_write_the_graphs_they_name(tmp_path):
     for name in names:
         gradients = [output for output in outputs[name] if output.endswith("_grad")]
         assert (name == "model_after_graph_transforms_path") == (not gradients), (name, outputs[name])
+
+
+def test_torchs_scheduler_or_grad_scaler_as_an_option_names_what_takes_their_place():
+    """A torch loop's LR scheduler or GradScaler passed as an option: the type error says which orttrainer object to
+    pass instead."""
+    layer = torch.nn.Linear(2, 2)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(torch.optim.AdamW(layer.parameters()), T_max=10)
+    with pytest.raises(ValueError, match=r"lr_scheduler: must be of _LRScheduler type, got CosineAnnealingLR .*\(orttrainer"
+                                         r".optim's schedulers take the place of torch's: LinearWarmupLRScheduler"):  # fmt: skip
+        ORTTrainerOptions({"lr_scheduler": scheduler})
+    with pytest.raises(ValueError, match=r"mixed_precision.loss_scaler: must be of LossScaler type, got GradScaler .*"
+                                         r"\(orttrainer.amp.DynamicLossScaler\(\) takes the place of torch's GradScaler\)"):  # fmt: skip
+        ORTTrainerOptions({"mixed_precision": {"enabled": True, "loss_scaler": torch.amp.GradScaler("cpu")}})
