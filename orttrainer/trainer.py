@@ -297,9 +297,10 @@ class ORTTrainer:
         changed = changed_values(self._settings_as_built)
         if changed:
             raise ValueError(
-                f"since the trainer's first step, {'; '.join(changed)}: the trainer took these when it built its graphs "
-                "and update, so the change would not apply. Set them before the first step, or go on in a new trainer "
-                "created with them, from this one's state (new_trainer.load_state_dict(trainer.state_dict()))"
+                f"since the trainer built its graphs and update (at its first step; an ONNX model's when it was created), "
+                f"{'; '.join(changed)}: the trainer took these then, so the change would not apply. Set them before, or "
+                "go on in a new trainer created with them, from this one's state "
+                "(new_trainer.load_state_dict(trainer.state_dict()))"
             )
         set_since = self.optim_config.attributes_set_since_creation()
         if set_since:

@@ -1071,8 +1071,9 @@ def test_settings_changed_after_the_first_step_are_refused_naming_the_key(edit, 
     edit(trainer)
     before = trainer.state_dict(pytorch_format=True)
     for step in (trainer.train_step, trainer.eval_step):
-        with pytest.raises(ValueError, match=rf"since the trainer's first step, {re.escape(message)}.*: the trainer took "
-                                             r"these when it built.*new_trainer.load_state_dict\(trainer.state_dict\(\)\)"):
+        with pytest.raises(ValueError, match=rf"since the trainer built its graphs and update \(at its first step.*\), "
+                                             rf"{re.escape(message)}.*: the trainer took these then.*"
+                                             r"new_trainer.load_state_dict\(trainer.state_dict\(\)\)"):
             step(*mlp_batch())
     assert_close_state_dicts(trainer.state_dict(pytorch_format=True), before)
 
