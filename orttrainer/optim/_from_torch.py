@@ -15,14 +15,15 @@ _ADAM_SETTINGS = {"alpha": 0.9, "beta": 0.999, "epsilon": 1e-8, "lambda_coef": 0
 
 
 def _adam_settings(group: dict) -> dict:
-    beta_1, beta_2 = group["betas"]
-    return {"alpha": beta_1, "beta": beta_2, "epsilon": group["eps"], "lambda_coef": group["weight_decay"]}
+    beta_1, beta_2 = group["betas"]  # torch takes tensors for these too
+    return {"alpha": float(beta_1), "beta": float(beta_2), "epsilon": float(group["eps"]),
+            "lambda_coef": float(group["weight_decay"])}  # fmt: skip
 
 
 def _unsupported(optimizer) -> str:
     """Why no legacy config updates as ``optimizer`` does ("" if one does)."""
     name, groups = type(optimizer).__name__, optimizer.param_groups
-    if len({group["lr"] for group in groups}) > 1:
+    if len({float(group["lr"]) for group in groups}) > 1:
         return "its groups have different learning rates, and the legacy configs have one"
     if any(group.get("maximize") for group in groups):
         return "it maximizes"
@@ -49,7 +50,7 @@ def equivalent_config(optimizer: torch.optim.Optimizer, model) -> tuple:
         return None, None, f"No orttrainer config updates as this torch.optim.{type(optimizer).__name__} does: {why_not}."
     names = {id(parameter): name for name, parameter in model.named_parameters()} if isinstance(model, torch.nn.Module) else {}
     groups = optimizer.param_groups
-    lr = groups[0]["lr"]
+    lr = float(groups[0]["lr"])
     in_optimizer = {id(parameter) for group in groups for parameter in group["params"]}
     frozen = [name for key, name in names.items() if key not in in_optimizer]
     options = {"utils": {"frozen_weights": frozen}} if frozen else {}
