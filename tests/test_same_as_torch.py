@@ -1078,6 +1078,29 @@ def test_settings_changed_after_the_first_step_are_refused_naming_the_key(edit, 
     assert_close_state_dicts(trainer.state_dict(pytorch_format=True), before)
 
 
+class _MeanSquare(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.fc(x).square().mean()
+
+
+def test_settings_of_a_trainer_of_an_onnx_model_changed_after_its_creation_are_refused(tmp_path):
+    """An ONNX model's graphs and update are built when the trainer is created: options changed before the first
+    step already reach nothing."""
+    path = tmp_path / "mean_square.onnx"
+    torch.onnx.export(_MeanSquare(), (torch.randn(2, 6),), path, dynamo=False, input_names=["x"], output_names=["loss"],
+                      dynamic_axes={"x": {0: "batch"}})  # fmt: skip
+    trainer = ORTTrainer(onnx.load(path), {"inputs": [("x", ["batch", 6])], "outputs": [("loss", [], True)]},
+                         _adam_with_weight_decay(), options=cpu_options())  # fmt: skip
+    trainer.options.utils.grad_norm_clip = False
+    with pytest.raises(ValueError, match=r"since the trainer built its graphs and update \(at its first step; an ONNX "
+                                         r"model's when it was created\), options utils.grad_norm_clip went True -> False"):
+        trainer.train_step(torch.randn(2, 6))
+
+
 def test_a_hyper_parameter_attribute_set_before_the_first_step_is_refused():
     """optim_config's attributes mirror its defaults, which the update reads: ``config.lambda_coef = 0.1`` after creating
     the config trained with the weight decay it was created with."""
