@@ -256,17 +256,17 @@ _READ_AT_EVERY_STEP = ("batch.gradient_accumulation_steps", "lr_scheduler", "mix
                        "debug.check_against_torch", "debug.graph_save_paths")  # fmt: skip
 
 
-def settings_read_once(options, schema=_SCHEMA, path="") -> list:
+def settings_read_once(options, schema=_SCHEMA, path="", skipped=_READ_AT_EVERY_STEP) -> list:
     """[(key path, the group's __dict__, key, value)] of every option the trainer takes when it builds its graphs and
-    update (all but ``_READ_AT_EVERY_STEP``), lists and dicts copied, to compare at later steps."""
+    update (all but ``skipped``), lists and dicts copied, to compare at later steps."""
     entries = []
     for key, spec in schema.items():
         where = path + key
-        if where in _READ_AT_EVERY_STEP:
+        if where in skipped:
             continue
         value = getattr(options, key)
         if isinstance(spec, dict):
-            entries += settings_read_once(value, spec, where + ".")
+            entries += settings_read_once(value, spec, where + ".", skipped)
         else:
             entries.append((f"options {where}", vars(options), key,
                             copy.deepcopy(value) if isinstance(value, (list, dict)) else value))  # fmt: skip

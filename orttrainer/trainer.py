@@ -155,6 +155,8 @@ class ORTTrainer:
     def __init__(self, model, model_desc, optim_config, loss_fn=None, options=None):
         _check_constructor_arguments(model, model_desc, optim_config, loss_fn, options)
         self.options = own_copy(options) if options is not None else ORTTrainerOptions()  # the user's is never changed
+        # ... nor read again: what the user changes of it later reaches nothing (refused, _refuse_setting_edits)
+        self._options_given = settings_read_once(options, skipped=()) if options is not None else []
         check_implemented(self.options)
         self.model_desc = _ORTTrainerModelDesc(model_desc) if model_desc is not None else None
         self.optim_config = optim_config
@@ -294,6 +296,13 @@ class ORTTrainer:
         """The options and optim_config must be what the build took (all but the learning rate and the options read at
         every step), and optim_config's hyper-parameter attributes as created: the update reads its defaults and
         groups."""
+        given = changed_values(self._options_given)
+        if given:
+            raise ValueError(
+                f"since the trainer was created, {'; '.join(given)} in the ORTTrainerOptions passed to it: the trainer "
+                "keeps a copy of them, taken then, which these changes do not reach. Change trainer.options instead "
+                "(before the first step; batch.gradient_accumulation_steps and lr_scheduler also between steps)"
+            )
         changed = changed_values(self._settings_as_built)
         if changed:
             raise ValueError(

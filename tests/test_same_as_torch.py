@@ -1101,6 +1101,24 @@ def test_settings_of_a_trainer_of_an_onnx_model_changed_after_its_creation_are_r
         trainer.train_step(torch.randn(2, 6))
 
 
+@pytest.mark.parametrize("first_step", [False, True], ids=["before-the-first-step", "after-the-first-step"])
+def test_the_options_object_passed_changed_afterwards_is_refused(first_step):
+    """The trainer copies the options it is given (it never changes the caller's object), so a loop that goes on
+    changing its own object (``options.batch.gradient_accumulation_steps = 4``) changed nothing, without a word; the
+    legacy ORTTrainer read the caller's object. Refused, pointing at trainer.options."""
+    options = cpu_options()
+    trainer = ORTTrainer(MLP(), None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=options)
+    for _ in range(2 if first_step else 0):  # windows of 2 may start after step 2
+        trainer.train_step(*mlp_batch())
+    options.batch.gradient_accumulation_steps = 2
+    with pytest.raises(ValueError, match=r"since the trainer was created, options batch.gradient_accumulation_steps went "
+                                         r"1 -> 2 in the ORTTrainerOptions passed to it: .*Change trainer.options instead"):
+        trainer.train_step(*mlp_batch())
+    options.batch.gradient_accumulation_steps = 1
+    trainer.options.batch.gradient_accumulation_steps = 2  # the way the error names
+    trainer.train_step(*mlp_batch())
+
+
 def test_a_hyper_parameter_attribute_set_before_the_first_step_is_refused():
     """optim_config's attributes mirror its defaults, which the update reads: ``config.lambda_coef = 0.1`` after creating
     the config trained with the weight decay it was created with."""
