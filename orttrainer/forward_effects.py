@@ -235,7 +235,8 @@ def _code_objects(code: types.CodeType):
 
 def _scripts_functions(model: torch.nn.Module, loss_fn) -> list:
     """[(module path or None, module or None, function)] of the forwards, forward hooks and loss written in the user's
-    own files (not an installed package's), each function once."""
+    own files (not an installed package's), each function once per module that runs it (each module holds its own
+    attributes)."""
     found, seen = [], set()
 
     def add(path, module, function):
@@ -243,9 +244,9 @@ def _scripts_functions(model: torch.nn.Module, loss_fn) -> list:
         while isinstance(function, functools.partial):
             function = function.func
         code = getattr(function, "__code__", None)
-        if code is None or id(function) in seen or not _scripts_code(code.co_filename):
+        if code is None or (id(function), id(module)) in seen or not _scripts_code(code.co_filename):
             return
-        seen.add(id(function))
+        seen.add((id(function), id(module)))
         found.append((path, module, function))
 
     for path, owner in state_owners(model, loss_fn):

@@ -944,6 +944,17 @@ def test_a_value_forward_reads_from_the_script_changed_after_the_first_step_is_r
         trainer.train_step(*mlp_batch())
 
 
+def test_a_value_read_from_the_namespace_of_the_second_of_two_like_modules_changed_is_refused():
+    """Modules of one class run one forward, but each holds its own namespace: the second's is compared too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(ScriptTempered(), nn.Linear(10, 32), ScriptTempered())
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
+    trainer.train_step(*mlp_batch())
+    model[2].hparams.scale = 3.0
+    with pytest.raises(ValueError, match=r"'hparams.scale' read by ScriptTempered.forward of module '2' went 2.0 -> 3.0"):
+        trainer.train_step(*mlp_batch())
+
+
 def test_a_weight_frozen_after_the_first_step_is_no_reason_to_refuse_an_evaluation():
     """eval_step runs every module in eval mode and computes no gradient: requires_grad and modes changed since the first
     step do not change what it computes (train_step refuses them)."""
