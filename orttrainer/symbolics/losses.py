@@ -203,19 +203,21 @@ def cross_entropy_loss(g, scores, target, weight, reduction, ignore_index, label
         class_weights = symbolic_helper._unsqueeze_helper(g, weight, list(range(1, rank - 1)))
     if probabilities:
         return _cross_entropy_of_probabilities(g, scores, target, class_weights, reduction_name, label_smoothing, classes)
-    nll = _loss_over_targets(g, "SoftmaxCrossEntropyLoss", scores, target, weight, reduction_name, ignore_index)
     if not label_smoothing:
-        return nll
+        return _loss_over_targets(g, "SoftmaxCrossEntropyLoss", scores, target, weight, reduction_name, ignore_index)
+    ignored = _ignored(g, target, ignore_index)
+    kept = _kept_weight(g, target, weight, ignored) if reduction_name == "mean" else None  # both terms' divisor
+    nll = _loss_over_targets(g, "SoftmaxCrossEntropyLoss", scores, target, weight, reduction_name, ignore_index, kept)
     build = _ExportGraph(g)
     log_probabilities = g.op("LogSoftmax", scores, axis_i=1)
     if weighted:
         log_probabilities = g.op("Mul", log_probabilities, class_weights)
     smooth = g.op("Neg", symbolic_helper._reducesum_helper(g, log_probabilities, axes_i=[1], keepdims_i=0))
-    smooth = rewrites.where(build, _ignored(g, target, ignore_index), 0.0, smooth)
+    smooth = rewrites.where(build, ignored, 0.0, smooth)
     if reduction_name != "none":
         smooth = symbolic_helper._reducesum_helper(g, smooth, keepdims_i=0)
     if reduction_name == "mean":
-        smooth = g.op("Div", smooth, _kept_weight(g, target, weight, ignore_index))
+        smooth = g.op("Div", smooth, kept)
     # torch's scalars, computed in double and applied in float32
     return g.op("Add", g.op("Mul", nll, _constant(g, 1.0 - label_smoothing)),
                 g.op("Mul", smooth, _over_classes(g, label_smoothing, classes)))  # fmt: skip
@@ -228,17 +230,19 @@ def nll_loss(g, log_probabilities, target, weight, reduction, ignore_index):
     return _loss_over_targets(g, "NegativeLogLikelihoodLoss", log_probabilities, target, weight, reduction_name, ignore_index)
 
 
-def _loss_over_targets(g, op_type, scores, target, weight, reduction_name, ignore_index):
+def _loss_over_targets(g, op_type, scores, target, weight, reduction_name, ignore_index, kept=None):
     """ONNX's ``op_type`` loss of class-index targets, a "mean" taken as torch takes it: the sum divided by the
-    weights of the targets kept (their count without class weights). When they sum to 0 (every target ignored,
-    or only targets of weight 0) torch's loss is 0 / 0 = NaN, and the gradient of targets of weight 0 NaN too;
-    ONNX Runtime's own mean gave 0 and a gradient of 0 there."""
+    weights of the targets kept (``kept``, or ``_kept_weight``: their count without class weights). When they sum to 0
+    (every target ignored, or only targets of weight 0) torch's loss is 0 / 0 = NaN, and the gradient of targets of
+    weight 0 NaN too; ONNX Runtime's own mean gave 0 and a gradient of 0 there."""
     weights = [] if symbolic_helper._is_none(weight) else [weight]
     summed = "sum" if reduction_name == "mean" else reduction_name
     loss = g.op(op_type, scores, target, *weights, reduction_s=summed, ignore_index_i=ignore_index)
     if reduction_name != "mean":
         return loss
-    return g.op("Div", loss, _kept_weight(g, target, weight, ignore_index))
+    if kept is None:
+        kept = _kept_weight(g, target, weight, _ignored(g, target, ignore_index))
+    return g.op("Div", loss, kept)
 
 
 def _ignored(g, target, ignore_index):
@@ -246,10 +250,9 @@ def _ignored(g, target, ignore_index):
     return g.op("Equal", target, _ExportGraph(g).const(ignore_index, _numpy_dtype(target)))
 
 
-def _kept_weight(g, target, weight, ignore_index):
-    """The sum over targets not ignored of their class weights (their count without class weights)."""
+def _kept_weight(g, target, weight, ignored):
+    """The sum over targets not ``ignored`` (``_ignored``) of their class weights (their count without class weights)."""
     build = _ExportGraph(g)
-    ignored = _ignored(g, target, ignore_index)
     kept = rewrites.where(build, ignored, 0.0, 1.0)
     if not symbolic_helper._is_none(weight):
         kept = g.op("Mul", kept, g.op("Gather", weight, rewrites.where(build, ignored, build.const(0, _numpy_dtype(target)), target)))
