@@ -10,10 +10,6 @@ import torch
 
 from .config import AdamConfig, SGDConfig
 
-# AdamConfig's arguments by torch's group keys, and their defaults (torch's too).
-_ADAM_SETTINGS = {"alpha": 0.9, "beta": 0.999, "epsilon": 1e-8, "lambda_coef": 0.0}
-
-
 def _adam_settings(group: dict) -> dict:
     beta_1, beta_2 = group["betas"]  # torch takes tensors for these too
     return {"alpha": float(beta_1), "beta": float(beta_2), "epsilon": float(group["eps"]),
@@ -63,7 +59,8 @@ def equivalent_config(optimizer: torch.optim.Optimizer, model) -> tuple:
             differing = {key: value for key, value in _adam_settings(group).items() if value != defaults[key]}
             if differing:
                 params.append({"params": [names.get(id(parameter), "?") for parameter in group["params"]], **differing})
-        arguments = {key: value for key, value in defaults.items() if value != _ADAM_SETTINGS[key]}
+        created = AdamConfig()._mirrored  # AdamConfig's own defaults, left out of the code shown
+        arguments = {key: value for key, value in defaults.items() if value != created[key]}
         config = AdamConfig(params=params, lr=lr, **arguments)
         options.setdefault("utils", {})["grad_norm_clip"] = False
         shown = ", ".join([*(["params=" + repr(params)] if params else []), f"lr={lr!r}",
