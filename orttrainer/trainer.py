@@ -330,10 +330,10 @@ class ORTTrainer:
         if changed:
             raise ValueError(
                 f"since the trainer's first step, {'; '.join(changed)}: the trainer trains a copy of the module taken "
-                "then, with the values its forward read then, which these changes do not reach. Freeze weights, set modes and attributes before creating the "
-                "trainer (requires_grad or options utils.frozen_weights; eval() on a submodule); pass a value that "
-                "changes between steps as an argument of forward (a tensor, or a number: a graph per value); "
-                f"{_NEW_WEIGHT_VALUES}; or create a new trainer"
+                "then, with the values its forward read then, which these changes do not reach. Freeze weights, set "
+                "modes and attributes before creating the trainer (requires_grad or options utils.frozen_weights; "
+                "eval() on a submodule); pass a value that changes between steps as an argument of forward (a tensor, "
+                f"or a number: a graph per value); {_NEW_WEIGHT_VALUES}; or create a new trainer"
             )
 
     def _run_training_graph(self, inputs, gradient_buffers):
