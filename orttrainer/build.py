@@ -24,7 +24,7 @@ import onnxruntime
 import torch
 from onnx import numpy_helper
 
-from . import cpu_kernels, defined_gradients, export, graph, rewrites, session, torch_convolutions, verify
+from . import cpu_kernels, defined_gradients, export, graph, progress, rewrites, session, torch_convolutions, verify
 from .model_desc import _ORTTrainerModelDesc, forward_keywords, forward_parameters, infer_model_desc
 
 
@@ -40,7 +40,7 @@ class Runtime:
 
     def __init__(self, model_desc, onnx_model, graphs, sessions, weights: dict, trainable, scales, device):
         # the forward graph, its weights as graph inputs: their data lives in ``weights`` (a second copy
-        # would hold the model's size for the whole run); inference_model puts them back
+        # would hold the model's size for the whole run)
         self.onnx_model = rewrites.copy_with_inputs_for(onnx_model, weights)
         self.model_desc, self.device = model_desc, device
         self.train_session, self.eval_session = sessions
@@ -140,15 +140,9 @@ class Runtime:
                 )
 
     def inference_model(self, with_loss: bool = True) -> onnx.ModelProto:
-        """The forward graph with the current weights (copied into its initializers) in inference
-        mode: dropout off, BatchNorm on running statistics; without the loss unless ``with_loss``."""
+        """The forward graph in inference mode (dropout off, BatchNorm on running statistics), without the loss
+        unless ``with_loss``; its weights stay graph inputs (``onnx_file.save`` writes them from ``weights``)."""
         model = copy.deepcopy(self.onnx_model)
-        stripped = {graph_input.name for graph_input in model.graph.input if graph_input.name in self.weights}
-        inputs = [graph_input for graph_input in model.graph.input if graph_input.name not in stripped]
-        del model.graph.input[:]
-        model.graph.input.extend(inputs)
-        model.graph.initializer.extend(numpy_helper.from_array(self.weights[name].detach().cpu().numpy(), name)
-                                       for name in self.weights if name in stripped)  # fmt: skip
         graph.set_inference_mode(model)
         if not with_loss:
             loss = self.model_desc.loss_output.name
@@ -176,66 +170,61 @@ def _check_index_range(bound, indices) -> None:
 class TorchExport:
     """The module + loss exported at one batch, before anything is built from it."""
 
-    inputs: list  # the batch, on the CPU
+    inputs: list  # the batch, on the module's device
     constants: dict  # the step's constants, given to forward as they are (model_desc.match_inputs)
     desc: _ORTTrainerModelDesc  # the user's, or inferred from this batch
     outputs: list  # torch's outputs for this batch (eval mode, no autograd), the loss among them
-    state: dict  # the module's state before the export (_state_before_export)
+    state: dict  # the module's state_dict tensors themselves (detached: the trainer's weights are these)
     onnx_model: onnx.ModelProto
     lookups: dict  # {Gather node name: export.EmbeddingLookup}
     frozen_values: list  # where the trace froze a value of this batch (export._FROZEN_VALUE)
 
 
 class TorchSource:
-    """The user's module as the trainer exports it: one CPU copy in its training modes (the user's
-    module is never touched), exported at every batch shape signature that needs a graph."""
+    """The user's module as the trainer exports it, at every batch shape signature that needs a graph. The trainer
+    trains the module's own tensors in place (the sessions read their memory), so there is one copy of the weights,
+    as in a torch loop, and the module holds the trained model after every step. On another device than the
+    trainer's, the module is moved there first, as a torch loop does with ``model.to(device)``."""
 
-    def __init__(self, model, loss_fn, input_names, options, model_desc):
-        self.module = export.module_for_export(model)
-        self.forward_names = _forward_names(self.module, input_names, loss_fn)
+    def __init__(self, model, loss_fn, input_names, options, model_desc, device):
+        export.refuse_unexportable(model)
+        if any(tensor.device != device for tensor in [*model.parameters(), *model.buffers()]):
+            model.to(device)
+        self.module, self.device = model, device
+        self.described = f"{type(model).__name__} ({progress.size_of(model.parameters())})"
+        self.forward_names = _forward_names(model, input_names, loss_fn)
         self.loss_fn, self.options, self.model_desc = loss_fn, options, model_desc
 
     def export(self, input_names, inputs, constants, compared_only=False) -> TorchExport:
         """Export at this batch and these constants (forward's keywords baked into the trace); ``model_desc``
-        None: inferred from them (dim 0 dynamic).
+        None: inferred from them (dim 0 dynamic). The graph holds no weights: they are graph inputs. The module
+        is left as it was: its modes, attributes and buffers (forward in training mode moves BatchNorm's statistics).
 
         ``compared_only``: the graph is only compared with the one built at the same shapes from other
-        values (graph_cache's values check); the custom-backward check that build ran is not repeated, and
-        the weights are neither copied nor exported (graph inputs instead of initializers: the same structure,
-        without a second copy of every weight in the proto while training holds its memory).
+        values (graph_cache's values check); the custom-backward check that build ran is not repeated.
         A branch on the values themselves is refused by every export (``export._ValuesTurnedPython``).
         """
+        with progress.phase(f"exported {self.described} at {[list(tensor.shape) for tensor in inputs]}"), \
+                export.as_trained(self.module):
+            return self._export(input_names, inputs, constants, compared_only)
+
+    def _export(self, input_names, inputs, constants, compared_only) -> TorchExport:
         module, loss_fn = self.module, self.loss_fn
-        cpu_inputs = [tensor.detach().to("cpu", copy=True) for tensor in inputs]  # forward may change what it is given
-        outputs, form = export.sample_outputs(module, loss_fn, self.forward_names, cpu_inputs, constants)
+        # forward may change what it is given
+        batch = [tensor.detach().to(self.device, copy=True) for tensor in inputs]
+        outputs, form = export.sample_outputs(module, loss_fn, self.forward_names, batch, constants)
         outputs = list(outputs)
-        desc = self.model_desc or infer_model_desc(input_names, cpu_inputs, outputs, form)
-        if compared_only:
-            state = dict(module.state_dict())
-        else:
+        desc = self.model_desc or infer_model_desc(input_names, batch, outputs, form)
+        if not compared_only:
             loss_index = _loss_index(desc, outputs, loss_fn, inferred=self.model_desc is None)
-            export.refuse_custom_backward(module, loss_fn, self.forward_names, cpu_inputs, loss_index, constants)
-            state = _state_before_export(module)
+            export.refuse_custom_backward(module, loss_fn, self.forward_names, batch, loss_index, constants)
         onnx_model, lookups, frozen_values = export.export_to_onnx(
-            module, cpu_inputs, loss_fn, self.forward_names, [(entry.name, entry.shape) for entry in desc.inputs],
+            module, batch, loss_fn, self.forward_names, [(entry.name, entry.shape) for entry in desc.inputs],
             [(entry.name, entry.shape) for entry in desc.outputs], self.options._internal_use.onnx_opset_version,
-            with_weights=not compared_only, constants=constants,
+            constants=constants,
         )  # fmt: skip
-        return TorchExport(cpu_inputs, dict(constants), desc, outputs, state, onnx_model, lookups, frozen_values)
-
-    def load_weights(self, weights: dict) -> None:
-        """Give the export copy the trainer's current weights, so that a later export and its
-        sample outputs (debug.check_model_export) see what the trainer trains."""
-        self.module.load_state_dict({name: tensor.detach().cpu() for name, tensor in weights.items()}, strict=False)
-
-
-def _state_before_export(module) -> dict:
-    """The module's state_dict before its export: the parameters themselves, the buffers copied (the trace runs
-    forward in training mode, which moves BatchNorm statistics). On the CPU the trainer trains these very
-    parameter tensors, so the export copy always holds the trainer's weights, without a third copy of them
-    beside the user's module and the trainer's."""
-    return {name: tensor.detach() if isinstance(tensor, torch.nn.Parameter) else tensor.detach().clone()
-            for name, tensor in module.state_dict(keep_vars=True).items()}  # fmt: skip
+        state = {name: tensor.detach() for name, tensor in module.state_dict(keep_vars=True).items()}
+        return TorchExport(batch, dict(constants), desc, outputs, state, onnx_model, lookups, frozen_values)
 
 
 def from_torch(source, exported, device, providers, data_parallel=None, shared=None) -> Runtime:
@@ -257,7 +246,7 @@ def from_torch(source, exported, device, providers, data_parallel=None, shared=N
     sample_shapes = {entry.name: list(tensor.shape) for entry, tensor in zip(desc.inputs, exported.inputs)}
     if shared is None:
         untrained = [name for name in in_graph if name not in trainable]
-        weights = {name: exported.state[name].to(device).contiguous() for name in trainable + untrained}
+        weights = _module_tensors(exported.state, trainable + untrained)
         runtime = _build(onnx_model, desc, weights, trainable, options, device, providers, data_parallel, facts,
                          exported.lookups, sample_shapes=sample_shapes)  # fmt: skip
         runtime.aliases = _aliases(module)
@@ -289,17 +278,36 @@ def _torch_reference(source, exported) -> verify.Reference:
     step = verify.torch_step(source.module, source.loss_fn, source.forward_names, exported.inputs, exported.state,
                              output_names=[entry.name for entry in desc.outputs], loss_name=desc.loss_output.name,
                              trained=parameters, constants=exported.constants)  # fmt: skip
-    # digests of the values: on the CPU the trainer's weight tensors are these very tensors, and a state_dict
-    # loaded before the first step writes into them
+    # digests of the values: the trainer's weight tensors are these very tensors, and a state_dict loaded before
+    # the first step writes into them
     digests = {name: verify.weight_digest(tensor) for name, tensor in exported.state.items()}
     batch_digests = [verify.weight_digest(tensor) for tensor in exported.inputs]
     return verify.Reference(source.module, source.forward_names, exported.constants, step, digests, batch_digests)
 
 
+def _module_tensors(state: dict, names) -> dict:
+    """{name: the module's own tensor} of ``names``, which the sessions read in place: each must be one block of
+    memory."""
+    scattered = [name for name in names if not state[name].is_contiguous()]
+    if scattered:
+        raise ValueError(
+            f"the module's tensors {scattered} are not contiguous in memory (a transposed view, e.g. "
+            "nn.Parameter(w.t())): the trainer trains the module's own tensors in place, and ONNX Runtime reads each as "
+            "one block; make them contiguous before the first step (with torch.no_grad(): p.data = p.data.contiguous())"
+        )
+    return {name: state[name] for name in names}
+
+
 def _in_graph(onnx_model, state: dict) -> list:
-    """The module's weights and buffers that the graph holds (as initializers), in state_dict order."""
-    initializers = {init.name for init in onnx_model.graph.initializer}
-    return [name for name in state if name in initializers]
+    """The module's weights and buffers that the graph reads (graph inputs of the export), in state_dict order."""
+    read = _graph_input_names(onnx_model)
+    return [name for name in state if name in read]
+
+
+def _graph_input_names(onnx_model) -> set:
+    """The names of the graph's inputs and initializers: where a module's export reads its weights, or an extra
+    postprocess (options._internal_use) may have put one."""
+    return {value.name for value in [*onnx_model.graph.input, *onnx_model.graph.initializer]}
 
 
 def _check_same_weights(shared, in_graph, trainable) -> None:
@@ -378,13 +386,13 @@ def _postprocess(onnx_model, postprocess):
 def _trainable(module, onnx_model, loss_name, options, facts) -> list:
     """The parameters with requires_grad (and not in utils.frozen_weights) that reach the loss; the
     graph's other weights and buffers are bound without a gradient."""
-    initializers = {init.name for init in onnx_model.graph.initializer}
+    in_graph = _graph_input_names(onnx_model)
     aliases = _aliases(module)  # a tied weight frozen by any of its names
     frozen_names = {aliases.get(name, name) for name in options.utils.frozen_weights}
     requires_grad = [
         name
         for name, parameter in module.named_parameters()
-        if parameter.requires_grad and name in initializers and name not in frozen_names
+        if parameter.requires_grad and name in in_graph and name not in frozen_names
     ]
     if not requires_grad:
         raise ValueError(
@@ -405,12 +413,13 @@ def _aliases(module: torch.nn.Module) -> dict:
 
 
 def _batch_counters(module: torch.nn.Module, state: dict) -> dict:
-    """``num_batches_tracked`` of every BatchNorm that counts in training mode (the graph does not)."""
-    return {
-        f"{path}.num_batches_tracked": state[f"{path}.num_batches_tracked"]
-        for path, layer in module.named_modules()
-        if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm) and layer.track_running_stats and layer.training
-    }
+    """``num_batches_tracked`` of every BatchNorm that counts in the modes it trains in (the graph does not)."""
+    with export.as_trained(module):
+        return {
+            f"{path}.num_batches_tracked": state[f"{path}.num_batches_tracked"]
+            for path, layer in module.named_modules()
+            if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm) and layer.track_running_stats and layer.training
+        }
 
 
 # -------------------------------------------------------------------- ONNX model
@@ -458,13 +467,16 @@ def _build(onnx_model, model_desc, weights, trainable, options, device, provider
     nodes = onnx_model.graph.node
     keep_for_torch = torch_convolutions.op_types_for_torch(nodes) if convolutions and torch_convolutions.runs_convolutions(
         nodes) else ()  # fmt: skip
-    graphs = graph.build_training_graphs(
-        onnx_model, trainable, frozen, model_desc.loss_output.name, [entry.name for entry in model_desc.outputs],
-        mixed_precision, on_cpu=device.type == "cpu", lookups=lookups, facts=facts, keep_for_torch=keep_for_torch,
-        recurrent_on_torch=_splits_for_torch(options, device),
-    )  # fmt: skip
+    described = progress.size_of(weights[name] for name in trainable)
+    with progress.phase(f"built the training graph ({described} to train)"):
+        graphs = graph.build_training_graphs(
+            onnx_model, trainable, frozen, model_desc.loss_output.name, [entry.name for entry in model_desc.outputs],
+            mixed_precision, on_cpu=device.type == "cpu", lookups=lookups, facts=facts, keep_for_torch=keep_for_torch,
+            recurrent_on_torch=_splits_for_torch(options, device),
+        )  # fmt: skip
     _save_debug_graphs(graphs, options.debug.graph_save_paths)
-    sessions = _open_sessions(graphs, device, providers, options, one_thread, convolutions)
+    with progress.phase(f"opened the ONNX Runtime sessions on {device}"):
+        sessions = _open_sessions(graphs, device, providers, options, one_thread, convolutions)
     _record_input_types(model_desc, graphs.eval)
     if scales is None:
         loss_scale = torch.tensor(options.mixed_precision.loss_scaler.loss_scale, device=device) if mixed_precision else None

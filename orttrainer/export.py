@@ -1,8 +1,9 @@
 """torch module + loss function -> the forward+loss ONNX graph.
 
 The exported graph takes the model_desc inputs (the label last when a loss_fn is
-given) and returns the loss first, then the model's outputs. Its weight initializers
-are named exactly like the keys of the module's ``state_dict()``.
+given) and returns the loss first, then the model's outputs. It holds no weights: they are
+graph inputs named exactly like the keys of the module's ``state_dict()``. The export runs the
+user's module itself (the trainer trains its tensors in place) and leaves it as it was.
 
 Everything that would make the graph train something other than the module is either
 handled or refused here, before any graph is built: hooks the graph cannot hold, custom
@@ -13,7 +14,6 @@ Submodules keep the train/eval mode the user gave them (a frozen BatchNorm stays
 
 import ast
 import contextlib
-import copy
 import functools
 import io
 import linecache
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import onnx
 import torch
+from onnx import numpy_helper
 from torch.nn.utils.parametrizations import _SpectralNorm
 from torch.nn.utils.spectral_norm import SpectralNorm as _SpectralNormHook
 from torch.onnx import TrainingMode
@@ -32,7 +33,7 @@ from torch.utils import _pytree as pytree
 
 from . import forward_effects, model_outputs, rewrites, symbolics
 
-_WRAPPED = "model."  # prefix the wrapper adds to every weight name
+WRAPPED = "model."  # prefix the wrapper adds to every weight name
 
 
 class ExportError(ValueError):
@@ -124,25 +125,32 @@ _ABSENT = object()
 
 
 # ------------------------------------------------------------------ the module to export
-def module_for_export(model: torch.nn.Module) -> torch.nn.Module:
-    """A CPU copy of the user's module, in the modes it trains in; the user's module is never touched.
-
-    Submodules the user put in ``eval()`` stay in eval (a frozen BatchNorm keeps its
-    running statistics, as in a torch loop). A root module in ``eval()`` is trained in
-    ``train()`` mode throughout, as the legacy ORTTrainer did.
-    """
+def refuse_unexportable(model: torch.nn.Module) -> None:
+    """Refuse, before anything runs, a module whose weights or layers the graph cannot train as torch does."""
     refuse_weight_dtypes(model)
     refuse_untrainable_modules(model)
+
+
+@contextlib.contextmanager
+def as_trained(model: torch.nn.Module, eval_mode: bool = False):
+    """``model`` in the modes it trains in during the block (or, with ``eval_mode``, in eval()), and afterwards as it
+    was: its modes and the attributes forward assigns or installs (``_restore_attributes``: transformers' output
+    capture hooks), and its buffers (``forward_effects.buffers_kept``: forward in training mode moves BatchNorm's
+    statistics). The trainer runs the user's module itself, which no export or check may leave changed.
+
+    Submodules the user put in ``eval()`` stay in eval (a frozen BatchNorm keeps its running statistics, as in a
+    torch loop). A root module in ``eval()`` is trained in ``train()`` mode throughout, as the legacy ORTTrainer did.
+    """
+    attributes = {layer: _attributes_of(layer) for layer in model.modules()}  # the training flags among them
+    if eval_mode:
+        model.eval()
+    elif not model.training:
+        model.train()
     try:
-        module = copy.deepcopy(model).cpu()
-    except Exception as error:  # deepcopy of arbitrary user modules can fail in many ways
-        raise ExportError(
-            f"could not copy {type(model).__name__} ({type(error).__name__}: {error}); orttrainer exports a copy "
-            "so that your module is never changed; make the module deep-copyable (copy.deepcopy(model))"
-        ) from error
-    if not module.training:
-        module.train()
-    return module
+        with forward_effects.buffers_kept(model):
+            yield model
+    finally:
+        _restore_attributes(attributes)
 
 
 def _backward_hook_owners(model: torch.nn.Module) -> list:
@@ -177,7 +185,7 @@ def refuse_untrainable_modules(model: torch.nn.Module) -> None:
     problems = [f"{owner}: ONNX Runtime computes the gradients, so it would never run" for owner in _backward_hook_owners(model)]
     scripted = []  # path prefixes of the torch.jit.script modules found
     for path, layer in model.named_modules():
-        trains = layer.training or not model.training  # a root in eval() is trained in train() mode (module_for_export)
+        trains = layer.training or not model.training  # a root in eval() is trained in train() mode (as_trained)
         if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm) and layer.track_running_stats and layer.momentum is None \
                 and trains:  # fmt: skip
             raise NotImplementedError(
@@ -324,7 +332,7 @@ def refuse_custom_backward(module, loss_fn, forward_names, inputs, loss_index: i
     """
     wrapper = with_loss(module, loss_fn, forward_names, constants)
     try:
-        with forward_effects.tensors_kept(module), torch.enable_grad(), keeping_no_activations(), _HookAndFunctionSpy() as spy:
+        with forward_effects.buffers_kept(module), torch.enable_grad(), keeping_no_activations(), _HookAndFunctionSpy() as spy:
             outputs = wrapper(*inputs)
         loss = (list(outputs) if isinstance(outputs, (tuple, list)) else [outputs])[loss_index]
         functions = _custom_functions(loss) if isinstance(loss, torch.Tensor) else []
@@ -334,7 +342,7 @@ def refuse_custom_backward(module, loss_fn, forward_names, inputs, loss_index: i
         raise ExportError(
             f"{error}: the trainer builds the graphs of a batch's shapes, eval_step's too, from forward in training "
             "mode, where BatchNorm needs more than one value per channel; use batches of two or more (to evaluate a "
-            "single sample, use the module: trainer.sync_to_module(), model.eval())"
+            "single sample, use the module itself in eval(), which holds the trained weights)"
         ) from error
     problems = [f"tensor.register_hook at {where}: ONNX Runtime computes the gradients, so the hook would never run"
                 for where in spy.hooks]  # fmt: skip
@@ -465,7 +473,7 @@ def _mutation_problem(found: re.Match, state_names, changed_state, changed_input
     for changed there."""
     op, target = found.group(1), found.group(2)
     if target in state_names and (target in changed_state or op != "aten::index_put_"):
-        return (f"forward changes the buffer '{target[len(_WRAPPED):]}' in place ({op}), and the graph cannot: torch would "
+        return (f"forward changes the buffer '{target[len(WRAPPED):]}' in place ({op}), and the graph cannot: torch would "
                 "update it every step, orttrainer never")
     if changed_inputs:
         return (f"forward changes its input {', '.join(repr(name) for name in changed_inputs)} in place ({op}): "
@@ -656,10 +664,22 @@ def _dynamic_axes(entries):
     return {name: {index: dim for index, dim in enumerate(shape) if isinstance(dim, str)} for name, shape in entries}
 
 
+def _loss_tensors_as_constants(model: onnx.ModelProto, wrapper) -> None:
+    """The loss module's own tensors (``CrossEntropyLoss(weight=...)``'s class weights) as initializers holding their
+    values: the trainer trains and binds the module's tensors only, and the loss's are constants of the graph (a
+    change to them after the first step is refused, module_edits)."""
+    loss_state = {name: tensor for name, tensor in wrapper.state_dict().items() if not name.startswith(WRAPPED)}
+    constants = [graph_input for graph_input in model.graph.input if graph_input.name in loss_state]
+    for graph_input in constants:
+        model.graph.input.remove(graph_input)
+        value = loss_state[graph_input.name].detach().cpu().numpy()
+        model.graph.initializer.append(numpy_helper.from_array(value, graph_input.name))
+
+
 def _strip_wrapper_prefix(model: onnx.ModelProto) -> None:
     """Rename ``model.<key>`` initializers (and their uses) to the torch state_dict key."""
-    renames = {tensor.name: tensor.name[len(_WRAPPED) :] for tensor in list(model.graph.initializer) + list(model.graph.input)
-               if tensor.name.startswith(_WRAPPED)}  # fmt: skip
+    renames = {tensor.name: tensor.name[len(WRAPPED) :] for tensor in list(model.graph.initializer) + list(model.graph.input)
+               if tensor.name.startswith(WRAPPED)}  # fmt: skip
     for initializer in model.graph.initializer:
         initializer.name = renames.get(initializer.name, initializer.name)
     for node in model.graph.node:
@@ -707,7 +727,7 @@ def _refuse_draws_outside_torch(before: tuple, model, call, inputs, devices, ser
     The trace cannot see such a draw: it keeps the first one's result as a constant, so every step would reuse it
     (older transformers drew LayerDrop with ``random.uniform``; Wav2Vec2's SpecAugment draws its masks with numpy)."""
     drawn = forward_effects.generators_drawn(before, forward_effects.generator_states())
-    if not drawn or forward_effects.draws_decide_nothing(serialized, export_again, call.model, _WRAPPED):
+    if not drawn or forward_effects.draws_decide_nothing(serialized, export_again, call.model):
         return
     locations = forward_effects.draw_locations(call, inputs, devices) or [
         "no line drew when forward ran again under a tracer: the draw depends on something forward changed, or "
@@ -736,15 +756,16 @@ def _refuse_state_changes(before: dict, model, loss_fn, unseen_only=False) -> No
         )
 
 
-def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outputs, opset: int, with_weights=True,
-                   constants=None):  # fmt: skip
+def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outputs, opset: int, constants=None):
     """Export ``model`` (+ ``loss_fn``) in the modes it trains in, names and dynamic axes from model_desc.
 
-    ``model`` comes from :func:`module_for_export`; ``desc_inputs``/``desc_outputs`` are
+    ``model`` is in the modes it trains in (:func:`as_trained`); ``desc_inputs``/``desc_outputs`` are
     (name, shape) pairs, string dims become dynamic. The global torch RNG is left as it
-    was (tracing runs dropout once). ``with_weights`` False: the weights are graph inputs
-    of their type and shape instead of initializers (``rewrites.copy_with_inputs_for``'s form).
-    ``constants`` go to forward as they are, so the graph holds what they chose.
+    was (tracing runs dropout once). The module's weights and buffers are graph inputs of
+    their type and shape, named by their state_dict keys, never initializers: their data
+    stays in torch memory, so no model is too large for one protobuf (2 GiB) and none is
+    serialized (docs/stack_facts.md). ``constants`` go to forward as they are, so the graph
+    holds what they chose.
     Returns the ModelProto, {Gather node: EmbeddingLookup} and the locations where the trace
     froze a value of this batch (see ``_FROZEN_VALUE``).
     """
@@ -753,7 +774,7 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
     states_before, module_state_before = forward_effects.generator_states(), forward_effects.module_state(model, loss_fn)
 
     def export_once():
-        return _traced_export(model, wrapper, inputs, desc_inputs, desc_outputs, opset, with_weights, devices)
+        return _traced_export(model, wrapper, inputs, desc_inputs, desc_outputs, opset, devices)
 
     serialized, heard = export_once()
     mismatch = _outputs_differing_by_mode(model, wrapper, desc_outputs)
@@ -762,6 +783,7 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
     _refuse_state_changes(module_state_before, model, loss_fn)  # first: the draws' exports put the tensors back
     _refuse_draws_outside_torch(states_before, model, wrapper, inputs, devices, serialized, export_once)
     exported = onnx.load_from_string(serialized)
+    _loss_tensors_as_constants(exported, wrapper)
     _strip_wrapper_prefix(exported)
     lookups = resolve_markers(exported)
     rewrites.torch_pools(exported)  # first: torch's pools can make fewer windows than ONNX's, whose sizes folding reads
@@ -769,14 +791,14 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
     return exported, lookups, heard.frozen_values
 
 
-def _traced_export(model, wrapper, inputs, desc_inputs, desc_outputs, opset, with_weights, devices):
+def _traced_export(model, wrapper, inputs, desc_inputs, desc_outputs, opset, devices):
     """One ``torch.onnx.export`` of ``wrapper`` (orttrainer's symbolics registered, exporter warnings heard): the
     serialized model and the ``_ExporterWarnings`` that heard it."""
     buffer = io.BytesIO()
     try:
         values = _ValuesTurnedPython()
         inputs_by_name = {name: tensor for (name, _), tensor in zip(desc_inputs, inputs)}
-        state = {_WRAPPED + name: tensor for name, tensor in model.state_dict().items()}
+        state = {WRAPPED + name: tensor for name, tensor in model.state_dict().items()}
         # autograd on whatever the caller's mode (an eval_step under torch.no_grad() builds a graph that trains)
         with torch.random.fork_rng(devices=devices), symbolics.exporting(), torch.enable_grad(), \
                 keeping_no_activations(), _ExporterWarnings(values, inputs_by_name, state) as heard, \
@@ -788,7 +810,7 @@ def _traced_export(model, wrapper, inputs, desc_inputs, desc_outputs, opset, wit
                 dynamo=False,
                 training=TrainingMode.PRESERVE,
                 do_constant_folding=False,
-                export_params=with_weights,
+                export_params=False,  # the weights are graph inputs: export_to_onnx
                 opset_version=opset,
                 input_names=[name for name, _ in desc_inputs],
                 output_names=[name for name, _ in desc_outputs],

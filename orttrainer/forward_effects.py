@@ -30,7 +30,6 @@ import warnings
 from dataclasses import dataclass
 
 import numpy as np
-import onnx
 import torch
 
 _TORCH_DIRECTORY = os.path.dirname(torch.__file__) + os.sep
@@ -54,17 +53,25 @@ def user_location(frame=None) -> str:
 
 
 @contextlib.contextmanager
-def tensors_kept(module: torch.nn.Module):
-    """``module``'s parameters and buffers as they were before the block (forward in training mode moves BatchNorm's
-    statistics), put back by copying: not through its ``load_state_dict``, which its state_dict hooks may refuse."""
-    tensors = [*module.parameters(), *module.buffers()]
-    saved = [tensor.detach().clone() for tensor in tensors]
+def buffers_kept(module: torch.nn.Module):
+    """``module``'s buffers as they were before the block (forward in training mode moves BatchNorm's statistics), put
+    back by copying where they changed: not through its ``load_state_dict``, which its state_dict hooks may refuse,
+    and not where they did not (a copy would count as a write: module_edits). Parameters are not copied (a model's
+    size): a forward that changes them is refused (``state_changes``)."""
+    buffers = list(module.buffers())
+    saved = [buffer.detach().clone() for buffer in buffers]
     try:
         yield
     finally:
         with torch.no_grad():
-            for tensor, value in zip(tensors, saved):
-                tensor.copy_(value)
+            for buffer, value in zip(buffers, saved):
+                if not _same_bits(buffer, value):
+                    buffer.copy_(value)
+
+
+def _same_bits(tensor: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether two tensors of one dtype and shape hold the same bytes (a NaN equals itself)."""
+    return torch.equal(tensor.detach().contiguous().view(-1).view(torch.uint8), other.contiguous().view(-1).view(torch.uint8))
 
 
 def generator_states() -> tuple:
@@ -116,29 +123,20 @@ def draw_locations(call, inputs, devices) -> list:
     return list(found)
 
 
-def draws_decide_nothing(serialized: bytes, export_again, module: torch.nn.Module, weight_prefix: str) -> bool:
+def draws_decide_nothing(serialized: bytes, export_again, module: torch.nn.Module) -> bool:
     """Whether the graph stays ``serialized`` when every uniform draw returns the lowest value of its range, and again
     the highest: a draw compared with a probability of 0 (transformers' MusicGen draws LayerDrop's number at every
     layer, whatever ``layerdrop``) decides nothing the graph holds. A draw the forcing does not reach (another
-    function of the generators) decides against. The module's tensors are put back after the two exports; the
-    graph's initializers named with ``weight_prefix`` are its weights and buffers, whose values the traces move."""
-    with tensors_kept(module):
+    function of the generators) decides against. The module's tensors are put back after the two exports (the
+    graphs hold none of their values: they are graph inputs, export.export_to_onnx)."""
+    with buffers_kept(module):
         for value in (0.0, 1.0 - 2.0**-53):
             before = generator_states()
             with _uniform_draws_forced_to(value):
                 again, _ = export_again()
-            changed = _computation(again, weight_prefix) != _computation(serialized, weight_prefix)
-            if changed or generators_drawn(before, generator_states()):
+            if again != serialized or generators_drawn(before, generator_states()):
                 return False
     return True
-
-
-def _computation(serialized: bytes, weight_prefix: str) -> bytes:
-    """An exported graph's nodes and the constants the trace made (not the module's weights and buffers, whose values
-    the traces move)."""
-    graph = onnx.load_from_string(serialized).graph
-    made = [init for init in graph.initializer if not init.name.startswith(weight_prefix)]
-    return b"".join(entry.SerializeToString() for entry in [*graph.node, *made])
 
 
 @contextlib.contextmanager

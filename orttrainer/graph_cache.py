@@ -28,7 +28,7 @@ import warnings
 import onnx
 import torch
 
-from . import build, export, rewrites
+from . import build, export
 
 MAX_GRAPHS = 8  # built graphs kept (each holds a training and an eval session)
 
@@ -51,11 +51,10 @@ class _ValuesCheck:
 
     def done(self, source, input_names, inputs) -> bool:
         """Whether the check ran (then the signature needs no other); ExportError if the graph differs."""
-        cpu_inputs = [tensor.cpu() for tensor in inputs]
-        if all(torch.equal(first, now) for first, now in zip(self.first_inputs, cpu_inputs)):
+        if all(torch.equal(first, now.to(first.device)) for first, now in zip(self.first_inputs, inputs)):
             return False
-        again = source.export(input_names, cpu_inputs, self.constants, compared_only=True)
-        export.refuse_data_dependent_trace(self.structure, _structure(again.onnx_model, again.state), self.locations)
+        again = source.export(input_names, inputs, self.constants, compared_only=True)
+        export.refuse_data_dependent_trace(self.structure, _structure(again.onnx_model), self.locations)
         return True
 
 
@@ -94,12 +93,10 @@ class GraphCache:
         """Export at this batch and constants; reuse the built graph it equals, or build one over the same weights."""
         model, loss_fn, options, model_desc = self._given
         if self._source is None:
-            self._source = build.TorchSource(model, loss_fn, input_names, options, model_desc)
+            self._source = build.TorchSource(model, loss_fn, input_names, options, model_desc, self._where[0])
         shared = next(reversed(self._graphs.values())).runtime if self._graphs else None
-        if shared is not None:
-            self._source.load_weights(shared.weights)
         exported = self._source.export(input_names, inputs, constants)
-        structure = _structure(exported.onnx_model, exported.state)
+        structure = _structure(exported.onnx_model)
         graph = self._graphs.get(structure)
         if graph is None:
             runtime = build.from_torch(self._source, exported, *self._where, shared=shared)
@@ -132,10 +129,10 @@ def _signature(input_names, inputs, constants) -> tuple:
     return tensors, tuple(sorted((name, type(value), repr(value)) for name, value in constants.items()))
 
 
-def _structure(model: onnx.ModelProto, state: dict) -> bytes:
-    """The graph without the values of the module's weights and buffers (they change as training goes on):
-    nodes, constants, declared inputs and outputs, the weights' types and shapes."""
-    return rewrites.copy_with_inputs_for(model, state).graph.SerializeToString()
+def _structure(model: onnx.ModelProto) -> bytes:
+    """The exported graph, which holds no values of the module's weights and buffers (they change as training goes
+    on; they are graph inputs): nodes, constants, declared inputs and outputs, the weights' types and shapes."""
+    return model.graph.SerializeToString()
 
 
 def _any_size(desc):

@@ -22,7 +22,7 @@ import onnx
 import onnxruntime
 import torch
 
-from . import amp, build, distributed, graph, graph_cache, session, verify
+from . import amp, build, distributed, graph, graph_cache, onnx_file, progress, session, verify
 from .gradients import Gradients
 from .model_desc import _ORTTrainerModelDesc, match_inputs
 from .model_outputs import as_list
@@ -33,11 +33,6 @@ from .optim._from_torch import equivalent_config
 from .optim.config import _OptimizerConfig
 from .options import ORTTrainerOptions, check_implemented, own_copy, settings_read_once
 from .state import TrainerState, check_against_module, read_checkpoint, write_checkpoint
-
-# What to do instead of writing new values into the user's module after the first step.
-_NEW_WEIGHT_VALUES = ("to give the weights new values, set them in trainer.state_dict() and pass that to "
-                      "trainer.load_state_dict")  # fmt: skip
-
 
 class TrainStepInfo:
     """Per-step state passed to LR schedulers and loss scalers (legacy record)."""
@@ -258,13 +253,15 @@ class ORTTrainer:
         inputs = self._ensure_initialized(args, kwargs)
         self._refuse_module_edits(training=True)
         requested = self._requested_outputs()
-        if self._runtime.reference is not None:
-            self._check_against_torch(inputs)
         info = self._train_step_info
         accumulation = self._accumulation_steps(info.step)
         starts_window = info.step % accumulation == 0
+        gradient_buffers = self._gradients.buffers_for(starts_window)
+        if self._runtime.reference is not None:
+            with progress.phase("checked the first step against torch (debug.check_against_torch)"):
+                self._check_against_torch(inputs, gradient_buffers)
         onnxruntime.set_seed(self._dropout_seed(info.step + 1))
-        outputs = self._run_training_graph(inputs, self._gradients.buffers_for(starts_window))
+        outputs = self._run_training_graph(inputs, gradient_buffers)
         info.step += 1
         for counter in self._runtime.batch_counters.values():
             counter += 1
@@ -321,19 +318,20 @@ class ORTTrainer:
             )
 
     def _refuse_module_edits(self, training: bool) -> None:
-        """The user's module must be as the graphs were built from it at its first step (module_edits.py): changes since
-        never reach the trainer's copy, so the step would train or evaluate the module as it was, without a word. With
-        ``training`` False (eval_step) the weights' requires_grad and the modules' modes do not count."""
+        """The user's module must be as the graphs were built from it at its first step (module_edits.py): the
+        graphs hold its structure, modes and the values its forward read then, and the sessions read the memory of
+        its weights, so such a change would not reach the step, without a word. Values written into its weights do
+        reach it. With ``training`` False (eval_step) the weights' requires_grad and the modules' modes do not count."""
         if self._built_from is None:
             return
-        changed = self._built_from.changes(self._state.pytorch, training)
+        changed = self._built_from.changes(training)
         if changed:
             raise ValueError(
-                f"since the trainer's first step, {'; '.join(changed)}: the trainer trains a copy of the module taken "
+                f"since the trainer's first step, {'; '.join(changed)}: the trainer's graphs hold the module as it was "
                 "then, with the values its forward read then, which these changes do not reach. Freeze weights, set "
                 "modes and attributes before creating the trainer (requires_grad or options utils.frozen_weights; "
                 "eval() on a submodule); pass a value that changes between steps as an argument of forward (a tensor, "
-                f"or a number: a graph per value); {_NEW_WEIGHT_VALUES}; or create a new trainer"
+                "or a number: a graph per value); or create a new trainer"
             )
 
     def _run_training_graph(self, inputs, gradient_buffers):
@@ -349,9 +347,10 @@ class ORTTrainer:
         runtime.update_batch_norms()
         return outputs
 
-    def _check_against_torch(self, inputs):
+    def _check_against_torch(self, inputs, gradient_buffers):
         """The built-in check (verify.py): this batch through the training graph and through the
-        module in torch autograd, both without dropout; nothing of the trainer's state changes."""
+        module in torch autograd, both without dropout; nothing of the trainer's state changes but
+        ``gradient_buffers``, which the step's own run writes next (no second set of gradients)."""
         runtime = self._runtime
         reference = runtime.reference
         runtime.reference = None
@@ -363,8 +362,7 @@ class ORTTrainer:
                                       output_names=output_names, loss_name=self.model_desc.loss_output.name,
                                       trained=list(self._gradients.sums), constants=reference.constants)  # fmt: skip
         torch_result = reference.step_on(runtime.weights, inputs, run_torch)
-        bound_before = self._gradients.bound
-        gradients = {name: torch.empty_like(grad) for name, grad in self._gradients.sums.items()}
+        bound_before, gradients = self._gradients.bound, gradient_buffers
         runtime.dropout_scale.fill_(0.0)
         try:
             outputs = self._run_training_graph(inputs, gradients)
@@ -474,18 +472,8 @@ class ORTTrainer:
         return self._state.pytorch() if pytorch_format else self._state.capture()
 
     def sync_to_module(self):
-        """Copy the trained weights and buffers into the torch module the user passed, so that
-        ``model.save_pretrained(...)`` and plain torch eval see them; it is explicit because the
-        trainer never mutates the user's module behind their back."""
-        if self._torch_model is None or self._runtime is None:
-            raise RuntimeError("sync_to_module needs the torch module the trainer was given and a first train_step or "
-                               "eval_step (with an ONNX model, use state_dict() or save_as_onnx)")  # fmt: skip
-        written = self._built_from.written(self._state.pytorch)
-        if written:
-            raise ValueError(f"since the trainer's first step, {'; '.join(written)}: sync_to_module would overwrite them "
-                             f"with the trainer's; {_NEW_WEIGHT_VALUES}")  # fmt: skip
-        self._torch_model.load_state_dict(self._state.pytorch(), strict=True)
-        self._built_from.values_synced()
+        """Nothing to do: the trainer trains the module's own tensors in place, so after every step the module holds
+        the trained weights and buffers. Kept for code written when the trainer trained a copy."""
 
     @property
     def _state(self):
@@ -541,16 +529,18 @@ class ORTTrainer:
         return user_dict
 
     # ----------------------------------------------------------------- export
-    def save_as_onnx(self, path, with_loss=True):
+    def save_as_onnx(self, path, with_loss=True, external_data=None):
         """Write the model with the current weights as an inference graph (dropout off, BatchNorm on
         running statistics) that runs in a plain ``onnxruntime.InferenceSession``.
 
         ``with_loss=True`` (the legacy form) keeps the label input and returns the loss first;
-        ``with_loss=False`` keeps only the model's own inputs and outputs.
+        ``with_loss=False`` keeps only the model's own inputs and outputs. ``external_data``: the weights
+        in a file beside ``path`` ('<path>.data', ONNX's external data), which a model past 2 GiB needs and
+        gets by default (None); True or False choose.
         """
         if self._runtime is None:
             raise RuntimeError(
                 "save_as_onnx needs the graph that the first train_step or eval_step builds from a batch; run one "
                 "(e.g. trainer.eval_step(*batch) right after load_checkpoint) before saving"
             )
-        onnx.save(self._runtime.inference_model(with_loss), path)
+        onnx_file.save(self._runtime.inference_model(with_loss), self._runtime.weights, path, external_data)

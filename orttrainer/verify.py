@@ -19,7 +19,7 @@ absolute and relative differences, the ONNX node that produced it and the torch 
 it belongs to (``debug.check_against_torch``: "error", "warn" or "off").
 """
 
-import copy
+import contextlib
 import hashlib
 import inspect
 import warnings
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.overrides import TorchFunctionMode
 
-from . import export
+from . import export, forward_effects
 
 # Relative tolerance by the dtype ONNX Runtime computed in. The absolute tolerance is the
 # same fraction of the tensor's largest magnitude (sums of many terms cancel), plus a
@@ -85,71 +85,105 @@ class StepResult:
     buffers: dict = field(default_factory=dict)  # buffer name -> value after the step
 
 
-def _copy_holding(module, weights: dict):
-    """A copy of ``module`` holding ``weights`` (on the CPU); the module itself stays as it is."""
-    module = copy.deepcopy(module)
-    module.load_state_dict({name: tensor.detach().cpu() for name, tensor in weights.items()}, strict=False)
-    return module
+class _ForwardAndGradients(torch.nn.Module):
+    """module + loss on a batch, the buffers after forward, and the gradients of the loss (output ``loss_index``, if
+    not None) with respect to ``leaves``: one call, so that under ``functional_call`` a forward run again inside
+    backward (``torch.utils.checkpoint``) reads the same weights as the first."""
+
+    def __init__(self, wrapper, leaves: dict, buffer_names, loss_index):
+        super().__init__()
+        self.wrapper, self.leaves, self.buffer_names, self.loss_index = wrapper, leaves, buffer_names, loss_index
+
+    def forward(self, *inputs):
+        outputs = self.wrapper(*inputs)
+        outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+        buffers = {name: self.leaves[name].detach().cpu().clone() for name in self.buffer_names}
+        wanted = [name for name, leaf in self.leaves.items() if leaf.requires_grad]
+        if self.loss_index is None or not wanted:
+            return outputs, buffers, {}
+        try:
+            found = torch.autograd.grad(outputs[self.loss_index], [self.leaves[name] for name in wanted], allow_unused=True)
+        except torch.utils.checkpoint.CheckpointError as error:
+            raise RuntimeError(
+                "debug.check_against_torch could not run the module's backward: torch.utils.checkpoint runs forward "
+                f"again inside it, where the check cannot turn dropout off ({str(error).splitlines()[0]}). "
+                "Checkpointing does not change what ONNX Runtime computes: train without it, or set "
+                "debug.check_against_torch to 'off'"
+            ) from error
+        return outputs, buffers, dict(zip(wanted, found))
+
+
+def _run_holding(module, loss_fn, forward_names, constants, inputs, weights: dict, trained=(), loss_index=None):
+    """module + loss run on ``inputs`` with ``weights`` ({state_dict name: tensor}) in place of the module's own
+    (``torch.func.functional_call``: nothing is copied, and the module keeps its own tensors), and with
+    ``loss_index`` the gradients of that output for the weights named in ``trained`` (``torch.autograd.grad``: no
+    ``.grad`` is touched): (outputs, {buffer name: value after forward}, {weight name: gradient or None})."""
+    leaves, given = {}, {}
+    for name, tensor in weights.items():
+        alias = next((other for other in leaves if _same_memory(weights[other], tensor)), None)
+        if alias is not None:  # a tied weight under another name: functional_call ties it to the first
+            continue
+        leaves[name] = tensor.detach().requires_grad_(name in trained and tensor.is_floating_point())
+        given[f"wrapper.{export.WRAPPED}{name}"] = leaves[name]
+    buffer_names = [name for name in leaves if name not in dict(module.named_parameters())]
+    step = _ForwardAndGradients(export.with_loss(module, loss_fn, forward_names, constants), leaves, buffer_names, loss_index)
+    return torch.func.functional_call(step, given, tuple(inputs), strict=False)
+
+
+def _same_memory(one: torch.Tensor, other: torch.Tensor) -> bool:
+    return (one.data_ptr(), one.shape, one.stride(), one.dtype) == (other.data_ptr(), other.shape, other.stride(), other.dtype)
 
 
 def torch_step(module, loss_fn, forward_names, inputs, weights: dict, output_names, loss_name, trained,
                constants=None) -> StepResult:  # fmt: skip
-    """Forward + loss + backward of a copy of ``module`` holding ``weights``, dropout off.
+    """Forward + loss + backward of ``module`` on ``weights``, dropout off; the module is left as it was (its
+    buffers put back, its parameters' ``.grad`` untouched).
 
     ``output_names`` name the outputs of model + loss in order; ``trained`` are the weights
     whose gradients are compared (a weight torch leaves without gradient counts as zero);
     ``constants`` are the step's keywords that forward gets as they are (``return_loss=True``).
     """
-    module = _copy_holding(module, weights)
-    _without_activation_checkpointing(module)
-    wrapper = export.with_loss(module, loss_fn, forward_names, constants)
-    with torch.enable_grad(), _NoDropout():
-        outputs = wrapper(*[tensor.cpu() for tensor in inputs])
-    outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
-    try:
-        outputs[output_names.index(loss_name)].backward()
-    except torch.utils.checkpoint.CheckpointError as error:
-        raise RuntimeError(
-            "debug.check_against_torch could not run the module's backward: torch.utils.checkpoint runs forward again "
-            f"inside it, where the check cannot turn dropout off ({str(error).splitlines()[0]}). Checkpointing does not "
-            "change what ONNX Runtime computes: train without it, or set debug.check_against_torch to 'off'"
-        ) from error
     parameters = dict(module.named_parameters())
-    gradients = {name: _dense_gradient(parameters[name]) for name in trained}
-    buffers = {name: tensor.detach().clone() for name, tensor in module.named_buffers() if name in weights}
-    return StepResult(dict(zip(output_names, (out.detach() for out in outputs))), gradients, buffers)
+    weights = {**{name: parameters[name] for name in trained if name not in weights}, **weights}
+    with export.as_trained(module), _without_activation_checkpointing(module), \
+            torch.enable_grad(), _NoDropout():
+        outputs, buffers, gradients = _run_holding(module, loss_fn, forward_names, constants, inputs, weights, trained,
+                                                   output_names.index(loss_name))  # fmt: skip
+    gradients = {name: _dense(gradients.get(name), weights[name]) for name in trained}
+    return StepResult(dict(zip(output_names, (out.detach().cpu() for out in outputs))), gradients, buffers)
 
 
 def torch_eval(module, loss_fn, forward_names, inputs, weights: dict, output_names, constants=None) -> StepResult:
-    """Forward + loss of a copy of ``module`` holding ``weights``, in eval mode: what eval_step must give.
+    """Forward + loss of ``module`` on ``weights``, in eval mode: what eval_step must give; the module is left as it was.
 
     Grad mode stays on, as in the trace: without it ``nn.MultiheadAttention`` and the transformer layers take a
     fast path in eval mode, which gives the padded positions other values. Autograd keeps no activations."""
-    module = _copy_holding(module, weights).eval()
-    wrapper = export.with_loss(module, loss_fn, forward_names, constants)
-    with torch.enable_grad(), export.keeping_no_activations():
-        outputs = wrapper(*[tensor.cpu() for tensor in inputs])
-    outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
-    return StepResult(dict(zip(output_names, (out.detach() for out in outputs))), {})
+    with export.as_trained(module, eval_mode=True), torch.enable_grad(), export.keeping_no_activations():
+        outputs, _, _ = _run_holding(module, loss_fn, forward_names, constants, inputs, weights)
+    return StepResult(dict(zip(output_names, (out.detach().cpu() for out in outputs))), {})
 
 
-def _dense_gradient(parameter: torch.Tensor) -> torch.Tensor:
-    """The gradient torch gave ``parameter`` as a dense tensor: zeros where it gave none, an embedding's sparse
+@contextlib.contextmanager
+def _without_activation_checkpointing(module):
+    """transformers' activation (gradient) checkpointing off on ``module`` in the block, then on again: it runs
+    forward again inside backward, where _NoDropout does not reach, so the two forwards would differ. The gradients
+    are the same without it."""
+    checkpointed = [layer for layer in module.modules() if getattr(layer, "gradient_checkpointing", False) is True]
+    for layer in checkpointed:
+        layer.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for layer in checkpointed:
+            layer.gradient_checkpointing = True
+
+
+def _dense(gradient, weight: torch.Tensor) -> torch.Tensor:
+    """The gradient torch gave a weight as a dense CPU tensor: zeros where it gave none, an embedding's sparse
     gradient (``sparse=True``) filled in."""
-    if parameter.grad is None:
-        return torch.zeros_like(parameter)
-    return parameter.grad.to_dense() if parameter.grad.is_sparse else parameter.grad
-
-
-def _without_activation_checkpointing(module) -> None:
-    """Turn off transformers' activation (gradient) checkpointing on ``module``: it runs forward again
-    inside backward, where _NoDropout is not active. The gradients are the same without it."""
-    for flag, disable in (("is_activation_checkpointing", "activation_checkpointing_disable"),  # transformers >= 5.x
-                          ("is_gradient_checkpointing", "gradient_checkpointing_disable")):  # fmt: skip
-        if hasattr(type(module), flag):
-            if getattr(module, flag):
-                getattr(module, disable)()
-            return
+    if gradient is None:
+        return torch.zeros(weight.shape, dtype=weight.dtype)
+    return (gradient.to_dense() if gradient.is_sparse else gradient).cpu()
 
 
 @dataclass
@@ -293,7 +327,7 @@ FIRST_STEP = ("orttrainer's first step differs from torch autograd on the same b
 FIRST_EVAL = ("eval_step differs from the module in eval mode on the same batch and weights. The eval graph is the "
               "training graph run in inference mode (dropout off, BatchNorm on its running statistics), as in the legacy "
               "ORTTrainer, so a branch forward takes only when not self.training is not in it; evaluate with the module "
-              "itself (trainer.sync_to_module(), then model.eval())")  # fmt: skip
+              "itself (model.eval(): it holds the trained weights)")  # fmt: skip
 
 
 def check(ort: StepResult, run_torch, weights: dict, dtype: torch.dtype, where: dict, mode: str, reference=None,

@@ -129,8 +129,7 @@ def main():
     final = accuracy(trainer, test_loader)
     print(f"final held-out accuracy {final:.1%} vs {majority:.1%} for the commonest package "
           f"({'learned' if final > majority + 0.1 else 'did NOT beat the baseline'})")
-    trainer.sync_to_module()  # the trained weights into `model`, for transformers' own tools
-    model.save_pretrained(out_dir / "model")
+    model.save_pretrained(out_dir / "model")  # trained in place: `model` holds the trained weights
     tokenizer.save_pretrained(out_dir / "model")
     plot_loss_curve({"train (batch)": list(enumerate(losses, 1))}, "cross-entropy", out_dir / "loss_curve.png")
     print(f"model: {out_dir / 'model'} (BertForSequenceClassification.from_pretrained); loss curve: {out_dir / 'loss_curve.png'}")

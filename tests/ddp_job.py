@@ -61,6 +61,10 @@ def main():
             trainer.train_step(tokens[rank * share : (rank + 1) * share], labels[rank * share : (rank + 1) * share])
         if step + 1 == args.save_at:
             trainer.save_checkpoint(args.checkpoint, consolidate=args.consolidate)
+    trained = trainer.state_dict(pytorch_format=True)  # every rank trained its module in place
+    stale = [name for name, tensor in model.state_dict().items() if not torch.equal(tensor, trained[name])]
+    if stale:
+        raise RuntimeError(f"rank {rank}: the module does not hold the trained {stale}")
     state = trainer.state_dict()
     if rank == 0:
         np.savez(args.out, **{f"weight/{k}": v for k, v in state["model"]["full_precision"].items()})

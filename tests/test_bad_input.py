@@ -344,7 +344,7 @@ def test_extra_postprocess_is_called_on_the_exported_graph_and_its_result_checke
     options = ORTTrainerOptions({"device": {"id": "cpu"}, "_internal_use": {"extra_postprocess": seen.append}})
     trainer = ORTTrainer(MLP(), None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=options)
     trainer.train_step(*mlp_batch())
-    assert len(seen) == 1 and {init.name for init in seen[0].graph.initializer} >= {"fc1.weight", "head.bias"}
+    assert len(seen) == 1 and {value.name for value in seen[0].graph.input} >= {"fc1.weight", "head.bias"}
     options = ORTTrainerOptions({"device": {"id": "cpu"}, "_internal_use": {"extra_postprocess": lambda model: "oops"}})
     trainer = ORTTrainer(MLP(), None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=options)
     with pytest.raises(TypeError, match=r"extra_postprocess must change the onnx.ModelProto in place or return one, got str"):

@@ -811,7 +811,7 @@ def test_requires_grad_changed_on_the_module_after_the_first_step_is_refused_nam
     model.fc1.weight.requires_grad_(frozen_first)
     before = trainer.state_dict(pytorch_format=True)
     with pytest.raises(ValueError, match=rf"since the trainer's first step, requires_grad of 'fc1.weight' went "
-                                         rf"{not frozen_first} -> {frozen_first}: the trainer trains a copy"):  # fmt: skip
+                                         rf"{not frozen_first} -> {frozen_first}: the trainer's graphs hold the module"):  # fmt: skip
         trainer.train_step(*mlp_batch())
     assert_close_state_dicts(trainer.state_dict(pytorch_format=True), before)
 
@@ -829,7 +829,7 @@ def test_a_module_put_in_eval_after_the_first_step_is_refused_unless_the_whole_m
         trainer.train_step(*cnn_batch())
         return
     with pytest.raises(ValueError, match=r"since the trainer's first step, module 'features.1' was put in eval\(\): the "
-                                         r"trainer trains a copy of the module taken then"):  # fmt: skip
+                                         r"trainer's graphs hold the module as it was then"):  # fmt: skip
         trainer.train_step(*cnn_batch())
 
 
@@ -867,7 +867,7 @@ def test_the_module_edited_after_the_first_step_is_refused_naming_the_change(edi
     edit(model, loss)
     before = trainer.state_dict(pytorch_format=True)
     for step in (trainer.train_step, trainer.eval_step):
-        with pytest.raises(ValueError, match=rf"since the trainer's first step, {re.escape(message)}: the trainer trains a copy"):
+        with pytest.raises(ValueError, match=rf"since the trainer's first step, {re.escape(message)}: the trainer's graphs hold the module"):
             step(*mlp_batch())
     assert_close_state_dicts(trainer.state_dict(pytorch_format=True), before)
 
@@ -939,8 +939,8 @@ def test_a_value_forward_reads_from_the_script_changed_after_the_first_step_is_r
     if message is None:
         trainer.train_step(*mlp_batch())
         return
-    with pytest.raises(ValueError, match=rf"since the trainer's first step, {re.escape(message)}.*: the trainer trains a "
-                                         r"copy of the module taken then, with the values its forward read then"):
+    with pytest.raises(ValueError, match=rf"since the trainer's first step, {re.escape(message)}.*: the trainer's graphs "
+                                         r"hold the module as it was then, with the values its forward read then"):
         trainer.train_step(*mlp_batch())
 
 
@@ -1002,42 +1002,54 @@ def _scale_class_weights(model, loss):
         loss.weight.mul_(2)
 
 
+@pytest.mark.parametrize("write", [
+    lambda model, loss: model.load_state_dict(CNN().state_dict()), _clip_weights, lambda model, loss: nn.init.zeros_(model.head.bias),
+    _run_in_train_mode,
+], ids=["load_state_dict", "clamp", "nn.init", "forward-in-train-mode"])  # fmt: skip
+def test_values_written_into_the_weights_between_steps_take_effect_as_in_torch(write):
+    """The trainer trains the module's own tensors, as a torch loop does, so values written into them between steps
+    (weights loaded, WGAN's clipping, a re-initialised head, a forward in train mode that moves BatchNorm's statistics)
+    are trained from the next step: the same writes in a torch loop, every state_dict key equal step by step."""
+    torch.manual_seed(0)
+    model = CNN()
+    reference = copy.deepcopy(model)
+    torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
+    generator = torch.Generator().manual_seed(0)
+    for step in range(3):
+        step_both(trainer, reference, torch_optimizer, cnn_batch(generator=generator), step, F.cross_entropy)
+        torch.manual_seed(step)  # the same new weights (load_state_dict), the same batch (_run_in_train_mode)
+        write(model, None)
+        torch.manual_seed(step)
+        write(reference, None)
+
+
 @pytest.mark.parametrize("write, message", [
-    (lambda model, loss: model.load_state_dict(CNN().state_dict()),
-     "the values of 16 weights and buffers were written (parameter 'weight' of module 'features.0', parameter 'bias' of "
-     "module 'features.0', ...)"),
-    (_clip_weights, "the values of 10 weights and buffers were written (parameter 'weight' of module 'features.0'"),
-    (lambda model, loss: nn.init.zeros_(model.head.bias), "the values of parameter 'bias' of module 'head' were written"),
     (lambda model, loss: setattr(model.head.weight, "data", torch.zeros_like(model.head.weight)),
-     "the values of parameter 'weight' of module 'head' were written"),
-    (_run_in_train_mode, "the values of 4 weights and buffers were written (buffer 'running_mean' of module 'features.1', "
-                         "buffer 'running_var' of module 'features.1', ...)"),
-    (_scale_class_weights, "the values of buffer 'weight' of module 'loss_fn' were written"),
-], ids=["load_state_dict", "clamp", "nn.init", "data-assigned", "forward-in-train-mode", "loss-buffer"])  # fmt: skip
-def test_values_written_into_the_module_after_the_first_step_are_refused_naming_the_tensor(write, message):
-    """A torch loop trains the module's own tensors, so values written into them between steps (weights loaded, WGAN's
-    clipping, a re-initialised head, a forward in train mode that moves BatchNorm's statistics, the loss's class weights
-    scaled) are trained from the next step. The trainer trains its own copy, which they never reached, without a word
-    (module_edits.py: version counters and storage addresses). Refused by train_step, eval_step and sync_to_module (which
-    would overwrite them), the trainer's state left as it was."""
+     "the memory of parameter 'weight' of module 'head' was replaced (.data =, .to(), .half()); write into it instead"),
+    (_scale_class_weights, "the values of buffer 'weight' of module 'loss_fn' were written (the graphs hold them as "
+                           "constants)"),
+], ids=["data-assigned", "loss-buffer"])  # fmt: skip
+def test_what_the_graphs_do_not_read_in_place_changed_after_the_first_step_is_refused_naming_it(write, message):
+    """The sessions read the memory the weights had at the build, and the graphs hold the loss's tensors as constants:
+    a weight given new memory (``p.data = ...``) or the loss's class weights scaled would not reach the next step,
+    where a torch loop trains with them. Refused by train_step and eval_step, the trainer's state left as it was."""
     torch.manual_seed(0)
     model, loss = CNN(), nn.CrossEntropyLoss(weight=torch.linspace(0.5, 1.5, 10))
     trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=loss, options=cpu_options())
     trainer.train_step(*cnn_batch())
-    write(model, loss)
     before = trainer.state_dict(pytorch_format=True)
+    write(model, loss)
     for step in (trainer.train_step, trainer.eval_step):
-        with pytest.raises(ValueError, match=rf"since the trainer's first step, {re.escape(message)}.*: the trainer trains a "
-                                             r"copy.*set them in trainer.state_dict\(\) and pass that to trainer.load_state_dict"):
+        with pytest.raises(ValueError, match=rf"since the trainer's first step, {re.escape(message)}.*: the trainer's "
+                                             r"graphs hold the module as it was then"):
             step(*cnn_batch())
-    with pytest.raises(ValueError, match=rf"{re.escape(message)}.*: sync_to_module would overwrite them"):
-        trainer.sync_to_module()
     assert_close_state_dicts(trainer.state_dict(pytorch_format=True), before)
 
 
 def test_the_module_loaded_with_the_trained_state_between_steps_trains_like_torch():
     """The legacy ORTTrainer had no sync_to_module: its users loaded state_dict(pytorch_format=True) into the module to
-    evaluate it in torch between epochs. That writes the module's tensors with the trainer's own values: no edit."""
+    evaluate it in torch between epochs. That writes the module's tensors with the values they hold already."""
     torch.manual_seed(0)
     model = CNN()
     reference = copy.deepcopy(model)
