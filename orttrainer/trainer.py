@@ -360,7 +360,8 @@ class ORTTrainer:
         output_names = [entry.name for entry in self.model_desc.outputs]
         run_torch = functools.partial(verify.torch_step, reference.module, self.loss_fn, reference.forward_names, inputs,
                                       output_names=output_names, loss_name=self.model_desc.loss_output.name,
-                                      trained=list(self._gradients.sums), constants=reference.constants)  # fmt: skip
+                                      trained=list(self._gradients.sums), constants=reference.constants,
+                                      projected=reference.projected)  # fmt: skip
         torch_result = reference.step_on(runtime.weights, inputs, run_torch)
         bound_before, gradients = self._gradients.bound, gradient_buffers
         runtime.dropout_scale.fill_(0.0)

@@ -20,6 +20,7 @@ it belongs to (``debug.check_against_torch``: "error", "warn" or "off").
 """
 
 import contextlib
+import functools
 import hashlib
 import inspect
 import warnings
@@ -76,6 +77,64 @@ class _NoDropout(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+# The trained weights' size up to which the check keeps torch's gradients whole; above it, each as ``Projected``:
+# beside the weights and the step's own gradients, a whole second set would not fit in the memory torch's loop takes.
+FULL_CHECK_BYTES = 256 * 2**20
+_PROJECTIONS = 8  # random sign vectors per gradient
+_PROJECTED_FACTOR = 3.0  # the distance allowed, in multiples of the tolerance's share of the gradient's norm
+
+
+@dataclass
+class Projected:
+    """A gradient as the reduced check keeps it: its projections on ``_PROJECTIONS`` vectors of random signs (float64,
+    over its finite elements), how many NaN, +inf and -inf it holds, its norm and size; a few numbers where the
+    tensor would be the weight's size.
+
+    The difference of two tensors' projections is a sum of their elementwise differences with random signs, whose
+    root mean square over the projections estimates the L2 distance of the tensors (within a factor of ~2 with
+    probability above 99.9% for 8 projections). The check allows a distance of ``_PROJECTED_FACTOR`` times the
+    relative tolerance times the gradient's norm (plus the floor per element): a gradient 1% off, 10 times the
+    tolerance, fails; rounding, ~1e-6 of the norm, passes. The sign vectors are one fixed random matrix per process
+    over a chunk, each chunk's projections multiplied by signs of its own, so that they are random over the tensor."""
+
+    values: torch.Tensor  # [_PROJECTIONS] float64
+    specials: tuple  # (NaN, +inf, -inf) counts
+    largest: float  # largest finite magnitude
+    norm: float  # L2 norm of the finite elements
+    count: int  # finite elements
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "Projected":
+        signs, chunk_signs = _projection_signs(), torch.Generator().manual_seed(1)
+        values = torch.zeros(_PROJECTIONS, dtype=torch.float64)
+        specials, largest, square, count = [0, 0, 0], 0.0, 0.0, 0
+        for chunk in _chunks(tensor):
+            finite = chunk.isfinite()
+            specials = [total + int(found.sum()) for total, found in zip(specials, (chunk.isnan(), chunk == float("inf"),
+                                                                                   chunk == float("-inf")))]  # fmt: skip
+            chunk = chunk.masked_fill(~finite, 0.0)
+            flip = torch.randint(0, 2, (_PROJECTIONS,), generator=chunk_signs, dtype=torch.float64).mul_(2).sub_(1)
+            values += flip * (signs[:, : chunk.numel()] @ chunk)
+            largest = max(largest, chunk.abs().max().item() if chunk.numel() else 0.0)
+            square += chunk.square().sum().item()
+            count += int(finite.sum())
+        return cls(values, tuple(specials), largest, square**0.5, count)
+
+    def distance_to(self, other: "Projected") -> float:
+        """The estimated L2 distance between this tensor and ``other`` (projected alike)."""
+        return (self.values - other.values).norm().item() / _PROJECTIONS**0.5
+
+    def allowed(self, relative_tolerance: float, floor: float) -> float:
+        return _PROJECTED_FACTOR * (relative_tolerance * self.norm + floor * self.count**0.5)
+
+
+@functools.cache
+def _projection_signs() -> torch.Tensor:
+    """[_PROJECTIONS, _CHUNK] random signs in float64, the same in every call of the process (both sides)."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, 2, (_PROJECTIONS, _CHUNK), generator=generator, dtype=torch.int8).double().mul_(2).sub_(1)
+
+
 @dataclass
 class StepResult:
     """What one side computed for the batch: all tensors on the CPU, keyed by name."""
@@ -87,22 +146,31 @@ class StepResult:
 
 class _ForwardAndGradients(torch.nn.Module):
     """module + loss on a batch, the buffers after forward, and the gradients of the loss (output ``loss_index``, if
-    not None) with respect to ``leaves``: one call, so that under ``functional_call`` a forward run again inside
-    backward (``torch.utils.checkpoint``) reads the same weights as the first."""
+    not None) for the ``leaves`` that require grad, each passed to ``keep(name, gradient)`` as soon as backward has
+    it and dropped then (``register_post_accumulate_grad_hook``), so that no full set of gradients need exist. One
+    call, so that under ``functional_call`` a forward run again inside backward (``torch.utils.checkpoint``) reads
+    the same weights as the first."""
 
-    def __init__(self, wrapper, leaves: dict, buffer_names, loss_index):
+    def __init__(self, wrapper, leaves: dict, buffer_names, loss_index, keep):
         super().__init__()
-        self.wrapper, self.leaves, self.buffer_names, self.loss_index = wrapper, leaves, buffer_names, loss_index
+        self.wrapper, self.leaves, self.buffer_names, self.loss_index, self.keep = wrapper, leaves, buffer_names, loss_index, keep
 
     def forward(self, *inputs):
         outputs = self.wrapper(*inputs)
         outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
         buffers = {name: self.leaves[name].detach().cpu().clone() for name in self.buffer_names}
-        wanted = [name for name, leaf in self.leaves.items() if leaf.requires_grad]
+        wanted = {name: leaf for name, leaf in self.leaves.items() if leaf.requires_grad}
         if self.loss_index is None or not wanted:
             return outputs, buffers, {}
+        kept = {}
+
+        def keep(name, leaf):
+            kept[name] = self.keep(name, leaf.grad)
+            leaf.grad = None
+
+        hooks = [leaf.register_post_accumulate_grad_hook(functools.partial(keep, name)) for name, leaf in wanted.items()]
         try:
-            found = torch.autograd.grad(outputs[self.loss_index], [self.leaves[name] for name in wanted], allow_unused=True)
+            outputs[self.loss_index].backward(inputs=list(wanted.values()))
         except torch.utils.checkpoint.CheckpointError as error:
             raise RuntimeError(
                 "debug.check_against_torch could not run the module's backward: torch.utils.checkpoint runs forward "
@@ -110,14 +178,19 @@ class _ForwardAndGradients(torch.nn.Module):
                 "Checkpointing does not change what ONNX Runtime computes: train without it, or set "
                 "debug.check_against_torch to 'off'"
             ) from error
-        return outputs, buffers, dict(zip(wanted, found))
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return outputs, buffers, kept
 
 
-def _run_holding(module, loss_fn, forward_names, constants, inputs, weights: dict, trained=(), loss_index=None):
+def _run_holding(module, loss_fn, forward_names, constants, inputs, weights: dict, trained=(), loss_index=None,
+                 keep=None):  # fmt: skip
     """module + loss run on ``inputs`` with ``weights`` ({state_dict name: tensor}) in place of the module's own
     (``torch.func.functional_call``: nothing is copied, and the module keeps its own tensors), and with
-    ``loss_index`` the gradients of that output for the weights named in ``trained`` (``torch.autograd.grad``: no
-    ``.grad`` is touched): (outputs, {buffer name: value after forward}, {weight name: gradient or None})."""
+    ``loss_index`` the gradients of that output for the weights named in ``trained`` (backward into leaves of their
+    own: no parameter's ``.grad`` is touched), each as ``keep(name, gradient)`` returns it: (outputs, {buffer name:
+    value after forward}, {weight name: what keep returned, for those that got a gradient})."""
     leaves, given = {}, {}
     for name, tensor in weights.items():
         alias = next((other for other in leaves if _same_memory(weights[other], tensor)), None)
@@ -126,7 +199,8 @@ def _run_holding(module, loss_fn, forward_names, constants, inputs, weights: dic
         leaves[name] = tensor.detach().requires_grad_(name in trained and tensor.is_floating_point())
         given[f"wrapper.{export.WRAPPED}{name}"] = leaves[name]
     buffer_names = [name for name in leaves if name not in dict(module.named_parameters())]
-    step = _ForwardAndGradients(export.with_loss(module, loss_fn, forward_names, constants), leaves, buffer_names, loss_index)
+    wrapper = export.with_loss(module, loss_fn, forward_names, constants)
+    step = _ForwardAndGradients(wrapper, leaves, buffer_names, loss_index, keep)
     return torch.func.functional_call(step, given, tuple(inputs), strict=False)
 
 
@@ -135,21 +209,26 @@ def _same_memory(one: torch.Tensor, other: torch.Tensor) -> bool:
 
 
 def torch_step(module, loss_fn, forward_names, inputs, weights: dict, output_names, loss_name, trained,
-               constants=None) -> StepResult:  # fmt: skip
+               constants=None, projected=False) -> StepResult:  # fmt: skip
     """Forward + loss + backward of ``module`` on ``weights``, dropout off; the module is left as it was (its
     buffers put back, its parameters' ``.grad`` untouched).
 
     ``output_names`` name the outputs of model + loss in order; ``trained`` are the weights
     whose gradients are compared (a weight torch leaves without gradient counts as zero);
     ``constants`` are the step's keywords that forward gets as they are (``return_loss=True``).
+    ``projected``: each gradient is kept as its ``Projected`` form, never the whole set (``FULL_CHECK_BYTES``).
     """
     parameters = dict(module.named_parameters())
     weights = {**{name: parameters[name] for name in trained if name not in weights}, **weights}
-    with export.as_trained(module), _without_activation_checkpointing(module), \
-            torch.enable_grad(), _NoDropout():
+
+    def keep(name, gradient):
+        dense = _dense(gradient, weights[name])
+        return Projected.of(dense) if projected else dense
+
+    with export.as_trained(module), _without_activation_checkpointing(module), torch.enable_grad(), _NoDropout():
         outputs, buffers, gradients = _run_holding(module, loss_fn, forward_names, constants, inputs, weights, trained,
-                                                   output_names.index(loss_name))  # fmt: skip
-    gradients = {name: _dense(gradients.get(name), weights[name]) for name in trained}
+                                                   output_names.index(loss_name), keep)  # fmt: skip
+    gradients = {name: gradients[name] if name in gradients else keep(name, None) for name in trained}
     return StepResult(dict(zip(output_names, (out.detach().cpu() for out in outputs))), gradients, buffers)
 
 
@@ -206,6 +285,7 @@ class Reference(ModuleCall):
     step: StepResult
     digests: dict  # name -> weight_digest of the tensor the step ran with
     batch_digests: list  # weight_digest of each input of the batch the step ran on
+    projected: bool  # gradients kept as Projected (torch_step)
 
     def step_on(self, weights: dict, inputs, run_torch) -> StepResult:
         """torch's step on ``weights`` and the batch ``inputs``: the one taken at the build if both are the same, else
@@ -231,6 +311,7 @@ class Difference:
     largest_absolute: float
     largest_relative: float
     where: str
+    projected: bool = False  # the two numbers are the estimated L2 distance and its share of the norm (Projected)
 
 
 _CHUNK = 1 << 18  # elements compared at a time: the ~15 float64 temporaries of a chunk stay ~30 MB (logits over a vocabulary)
@@ -241,7 +322,9 @@ def _chunks(tensor: torch.Tensor):
     return (flat[start : start + _CHUNK].double() for start in range(0, flat.numel(), _CHUNK))
 
 
-def _largest_finite(tensor: torch.Tensor) -> float:
+def _largest_finite(tensor) -> float:
+    if isinstance(tensor, Projected):
+        return tensor.largest
     largest = 0.0
     for chunk in _chunks(tensor):
         finite = chunk[chunk.isfinite()]
@@ -249,8 +332,14 @@ def _largest_finite(tensor: torch.Tensor) -> float:
     return largest
 
 
-def _difference(actual: torch.Tensor, expected: torch.Tensor, relative_tolerance: float, floor: float):
-    """(largest absolute, largest relative difference) if outside the tolerance, else None."""
+def _difference(actual, expected, relative_tolerance: float, floor: float):
+    """(largest absolute, largest relative difference) if outside the tolerance, else None (for ``Projected``
+    tensors: the estimated L2 distance, and its ratio to the norm)."""
+    if isinstance(expected, Projected):
+        if actual.specials != expected.specials:
+            return float("inf"), float("inf")
+        distance = actual.distance_to(expected)
+        return None if distance <= expected.allowed(relative_tolerance, floor) else (distance, distance / max(expected.norm, 1e-30))
     if actual.shape != expected.shape:
         return float("inf"), float("inf")
     largest_expected = _largest_finite(expected)
@@ -275,21 +364,33 @@ def compare(ort: StepResult, reference: StepResult, dtype: torch.dtype, where: d
     tolerance = _TOLERANCE.get(dtype, 1e-3)
     spread = spread or {}
     found = []
-    for kind, mine, theirs in (("output", ort.outputs, reference.outputs), ("gradient of", ort.gradients, reference.gradients),
+    gradients = _projected_like(ort.gradients, reference.gradients)
+    for kind, mine, theirs in (("output", ort.outputs, reference.outputs), ("gradient of", gradients, reference.gradients),
                                ("buffer", ort.buffers, reference.buffers)):  # fmt: skip
-        compared = [name for name, value in mine.items()
-                    if name in theirs and value.is_floating_point() and theirs[name].is_floating_point()]  # fmt: skip
+        compared = [name for name, value in mine.items() if name in theirs and _is_floating(value) and _is_floating(theirs[name])]
         floor = tolerance * 1e-2 * max([_largest_finite(theirs[name]) for name in compared], default=0.0) + 1e-12
         for name in compared:
             difference = _difference(mine[name], theirs[name], tolerance, floor)
             if difference is not None and name in spread and _norm_of_difference(mine[name], theirs[name]) <= spread[name]:
                 difference = None
             if difference is not None:
-                found.append(Difference(kind, name, *difference, where.get(name, "")))
+                found.append(Difference(kind, name, *difference, where.get(name, ""), isinstance(theirs[name], Projected)))
     return found
 
 
-def _norm_of_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
+def _projected_like(tensors: dict, reference: dict) -> dict:
+    """``tensors``, each in the ``Projected`` form where ``reference`` holds that form (the reduced check)."""
+    return {name: Projected.of(tensor) if isinstance(reference.get(name), Projected) else tensor
+            for name, tensor in tensors.items()}  # fmt: skip
+
+
+def _is_floating(value) -> bool:
+    return isinstance(value, Projected) or value.is_floating_point()
+
+
+def _norm_of_difference(actual, expected) -> float:
+    if isinstance(expected, Projected):
+        return actual.distance_to(expected)
     return (actual.detach().double().cpu() - expected.detach().double().cpu()).norm().item()
 
 
@@ -316,7 +417,7 @@ def rounding_spread(run_torch, weights: dict, reference: StepResult, dtype: torc
         for theirs, ours in ((moved.outputs, reference.outputs), (moved.gradients, reference.gradients),
                              (moved.buffers, reference.buffers)):  # fmt: skip
             for name, value in theirs.items():
-                if value.is_floating_point() and name in ours:
+                if _is_floating(value) and name in ours:
                     spread[name] = max(spread.get(name, 0.0), _SPREAD_FACTOR * _norm_of_difference(value, ours[name]))
     return spread
 
@@ -349,10 +450,12 @@ def report(differences: list, mode: str, subject=FIRST_STEP) -> None:
     if not differences or mode == "off":
         return
     lines = [
-        f"{d.kind} '{d.name}'{f' ({d.where})' if d.where else ''}: largest absolute difference {d.largest_absolute:.3g}, "
-        f"largest relative {d.largest_relative:.3g}"
+        f"{d.kind} '{d.name}'{f' ({d.where})' if d.where else ''}: "
+        + (f"L2 distance about {d.largest_absolute:.3g} (by {_PROJECTIONS} random projections), {d.largest_relative:.3g} "
+           "of its norm" if d.projected else
+           f"largest absolute difference {d.largest_absolute:.3g}, largest relative {d.largest_relative:.3g}")
         for d in differences
-    ]
+    ]  # fmt: skip
     message = subject + ":\n- " + "\n- ".join(lines) + "\n" + _HOW_TO_CHANGE
     if mode == "error":
         raise TorchMismatchError(message)

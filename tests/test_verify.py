@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from models import MLP, mlp_batch
+from models import CNN, MLP, Encoder, cnn_batch, lm_loss, mlp_batch, token_batch
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, TorchMismatchError, optim, verify
 
@@ -107,3 +107,66 @@ def test_check_compares_with_the_weights_loaded_before_the_first_step():
     finally:
         verify.torch_step = original
     assert len(runs) == 2  # at the build, and again on the loaded weights
+
+
+# ------------------------------------------------------------------ the reduced (projected) check
+def _projected_check(monkeypatch, caplog):
+    """Every model counts as large: torch's gradients kept as verify.Projected."""
+    from orttrainer import build, progress
+
+    monkeypatch.setattr(verify, "FULL_CHECK_BYTES", 0)
+    monkeypatch.setattr(build, "_SAID", set())
+    monkeypatch.setattr(progress.logger, "handlers", [caplog.handler])
+
+
+@pytest.mark.parametrize("make, loss_fn, make_batch", [(CNN, F.cross_entropy, cnn_batch), (lambda: Encoder(dropout=0.1), lm_loss,
+                                                                                           token_batch)],
+                         ids=["cnn-batch-norm", "transformer-dropout"])  # fmt: skip
+def test_the_projected_check_passes_real_models_and_says_so_once(monkeypatch, caplog, make, loss_fn, make_batch):
+    _projected_check(monkeypatch, caplog)
+    torch.manual_seed(0)
+    for _ in range(2):  # a second trainer: said once per process
+        trainer = ORTTrainer(make(), None, optim.SGDConfig(lr=0.1), loss_fn=loss_fn, options=ORTTrainerOptions({"device": {"id": "cpu"}}))
+        trainer.train_step(*make_batch())
+    said = [record.getMessage() for record in caplog.records if "random projections" in record.getMessage()]
+    assert said == ["the first-step check compares each gradient by 8 random projections (weights over 0 MiB: a second "
+                    "full set of gradients would not fit in the memory torch's loop takes); outputs and buffers element "
+                    "by element"]
+
+
+def test_the_projected_check_catches_a_gradient_one_percent_off(monkeypatch, caplog):
+    from orttrainer import cpu_kernels
+
+    _projected_check(monkeypatch, caplog)
+    monkeypatch.setitem(cpu_kernels.FAST_CPU_KERNELS, "ReluGrad", gradient_one_percent_off)
+    torch.manual_seed(0)
+    trainer = ORTTrainer(MLP(), None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy,
+                         options=ORTTrainerOptions({"device": {"id": "cpu"}}))  # fmt: skip
+    with pytest.raises(TorchMismatchError, match=r"gradient of 'fc1.weight' \(.*\): L2 distance about .* \(by 8 random "
+                                                 r"projections\), 0.0\d+ of its norm"):
+        trainer.train_step(*mlp_batch())
+
+
+@pytest.mark.parametrize("case", ["rounding", "one-in-a-million-off", "nan-on-both", "nan-on-one", "inf-sign", "empty",
+                                  "size-1"])  # fmt: skip
+def test_projected_comparison_at_boundary_values(case):
+    """verify.Projected against the elementwise comparison: rounding-sized differences pass, one element off by far
+    more than its tolerance fails, NaN and infinities must be where torch has them; empty and one-element tensors."""
+    generator = torch.Generator().manual_seed(0)
+    torch_gradient = torch.randn(1000, 300, generator=generator)
+    ours = torch_gradient * (1 + 1e-6 * torch.randn(1000, 300, generator=generator))
+    if case == "one-in-a-million-off":
+        ours[17, 3] += 100 * torch_gradient.abs().max()
+    elif case in ("nan-on-both", "nan-on-one"):
+        torch_gradient[5, 5] = float("nan")
+        ours[5, 5] = float("nan") if case == "nan-on-both" else 0.0
+    elif case == "inf-sign":
+        torch_gradient[1, 1], ours[1, 1] = float("inf"), float("-inf")
+    elif case == "empty":
+        torch_gradient, ours = torch.zeros(0, 4), torch.zeros(0, 4)
+    elif case == "size-1":
+        torch_gradient, ours = torch.tensor([3.0]), torch.tensor([3.0 * (1 + 1e-7)])
+    reference = verify.StepResult({}, {"w": verify.Projected.of(torch_gradient)})
+    elementwise = verify.compare(verify.StepResult({}, {"w": ours}), verify.StepResult({}, {"w": torch_gradient}), torch.float32, {})
+    projected = verify.compare(verify.StepResult({}, {"w": ours}), reference, torch.float32, {})
+    assert bool(projected) == bool(elementwise) == (case in ("one-in-a-million-off", "nan-on-one", "inf-sign"))
