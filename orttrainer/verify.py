@@ -23,6 +23,7 @@ import contextlib
 import functools
 import hashlib
 import inspect
+import math
 import warnings
 from dataclasses import dataclass, field
 
@@ -109,15 +110,22 @@ class Projected:
         values = torch.zeros(_PROJECTIONS, dtype=torch.float64)
         specials, largest, square, count = [0, 0, 0], 0.0, 0.0, 0
         for chunk in _chunks(tensor):
-            finite = chunk.isfinite()
-            specials = [total + int(found.sum()) for total, found in zip(specials, (chunk.isnan(), chunk == float("inf"),
-                                                                                   chunk == float("-inf")))]  # fmt: skip
-            chunk = chunk.masked_fill(~finite, 0.0)
+            chunk_square = torch.dot(chunk, chunk).item()  # finite exactly when every element is (float32 squared fits)
+            if math.isfinite(chunk_square):  # the common case: four passes over the chunk
+                count += chunk.numel()
+            else:
+                finite = chunk.isfinite()
+                specials = [total + int(found.sum()) for total, found in zip(
+                    specials, (chunk.isnan(), chunk == float("inf"), chunk == float("-inf")))]  # fmt: skip
+                count += int(finite.sum())
+                chunk = chunk.masked_fill(~finite, 0.0)
+                chunk_square = torch.dot(chunk, chunk).item()
             flip = torch.randint(0, 2, (_PROJECTIONS,), generator=chunk_signs, dtype=torch.float64).mul_(2).sub_(1)
             values += flip * (signs[:, : chunk.numel()] @ chunk)
-            largest = max(largest, chunk.abs().max().item() if chunk.numel() else 0.0)
-            square += chunk.square().sum().item()
-            count += int(finite.sum())
+            if chunk.numel():
+                low, high = torch.aminmax(chunk)
+                largest = max(largest, -low.item(), high.item())
+            square += chunk_square
         return cls(values, tuple(specials), largest, square**0.5, count)
 
     def distance_to(self, other: "Projected") -> float:
