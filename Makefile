@@ -2,7 +2,7 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench coverage cuda clean
+.PHONY: demo test test-all bench coverage cuda clean
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -15,7 +15,12 @@ $(VENV)/.installed: $(VENV)/bin/activate setup.cfg pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) samples/char_lm.py
 
+# the fast tier: every feature end to end, in its cheapest cases (tests marked slow left out)
 test: $(VENV)/.installed
+	$(PY) -m pytest -m "not slow"
+
+# the whole suite; CI runs this (.ci/run)
+test-all: $(VENV)/.installed
 	$(PY) -m pytest
 
 # the speed comparison; writes benchmarks/results/bench.{json,md,png} (BENCH_ARGS=--quick: a short check run)

@@ -32,6 +32,7 @@ print(json.dumps({"report": report, "table": table}))
 """
 
 
+@pytest.mark.slow
 def test_benchmark_measures_one_workload_and_reports_finite_numbers():
     result = subprocess.run([sys.executable, "-c", SMOKE], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
                             timeout=300)
@@ -63,6 +64,7 @@ def test_gemm_efficiency_times_every_gemm_of_the_mlp_and_counts_its_flops():
     assert len(rows) == 8 and all(row[2] > 0 and row[3] > 0 for row in rows) and run_ms > 0
 
 
+@pytest.mark.slow
 def test_every_zoo_workload_takes_its_benchmark_batch():
     """`bench.py --zoo` stops at the first model that refuses its batch (CLIP's 32 tokens over 16 positions did):
     each model's loss on its benchmark batch, in eager torch."""

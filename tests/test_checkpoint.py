@@ -257,6 +257,7 @@ def _run_job(*args):
     subprocess.run([sys.executable, str(HERE / "resume_job.py"), *map(str, args)], check=True, cwd=HERE, timeout=300, env=subprocess_env())
 
 
+@pytest.mark.slow
 def test_resume_in_a_new_process_is_bit_exact(tmp_path):
     """5 steps, save (mid accumulation window), new process, 4 more == 9 uninterrupted steps."""
     ckpt = tmp_path / "ckpt.h5"

@@ -1,16 +1,20 @@
 """The README's coverage table is what benchmarks/coverage.py measures now.
 
 Every case of the table trains one step in a worker process: 12-26 s of the suite in
-runs on 2026-11-23 on 2 busy cores, so it stays in the suite. `make coverage` runs the
-same check and prints the table to paste when it differs.
+runs on 2026-11-23 on 2 busy cores, so it stays in the whole suite (make test-all), marked
+slow: out of make test. `make coverage` runs the same check and prints the table to paste
+when it differs.
 """
 
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, subprocess_env
 
 
+@pytest.mark.slow
 def test_readme_coverage_table_is_current():
     result = subprocess.run([sys.executable, "benchmarks/coverage.py", "--check", "README.md"], cwd=ROOT, env=subprocess_env(),
                             capture_output=True, text=True, timeout=900)

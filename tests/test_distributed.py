@@ -40,7 +40,9 @@ def assert_same_weights(path_a, path_b):
         np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-5, err_msg=key)
 
 
-@pytest.mark.parametrize("zero", [False, True], ids=["adam+accumulation", "zero1+adam+accumulation+clipping"])
+# the fast tier keeps ZeRO with accumulation and clipping; the rest (each 8-30 s of torchrun) is marked slow
+@pytest.mark.parametrize("zero", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["adam+accumulation", "zero1+adam+accumulation+clipping"])  # fmt: skip
 def test_two_ranks_with_batch_b_equal_one_process_with_batch_2b(tmp_path, zero):
     flags = ["--steps", 6, "--accumulation", 2] + (["--zero", "--clip"] if zero else [])
     run(*flags, "--out", tmp_path / "single.npz")
@@ -48,6 +50,7 @@ def test_two_ranks_with_batch_b_equal_one_process_with_batch_2b(tmp_path, zero):
     assert_same_weights(tmp_path / "single.npz", tmp_path / "two.npz")
 
 
+@pytest.mark.slow
 def test_ranks_with_batches_of_different_shapes_train_like_one_process_accumulating_them(tmp_path):
     """Each rank meets new shapes at its own steps and builds their graphs alone (no collective may
     wait for the other rank); the mean over ranks equals one process accumulating both parts."""
@@ -57,6 +60,7 @@ def test_ranks_with_batches_of_different_shapes_train_like_one_process_accumulat
     assert_same_weights(tmp_path / "single.npz", tmp_path / "two.npz")
 
 
+@pytest.mark.slow
 def test_zero_checkpoints_aggregate_and_resume_in_one_process(tmp_path):
     checkpoint = tmp_path / "ckpt.{rank}.h5"
     flags = ["--steps", 7, "--zero", "--accumulation", 2]  # saved at the end of the second window
@@ -66,6 +70,7 @@ def test_zero_checkpoints_aggregate_and_resume_in_one_process(tmp_path):
     assert_same_weights(tmp_path / "two.npz", tmp_path / "resumed.npz")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["inside_window", "bad_directory", "rank_1_file_exists"])
 def test_a_failed_save_ends_every_rank_promptly_with_its_cause(tmp_path, case):
     """Every rank raises the same cause within seconds, none waits for the collective timeout."""
@@ -91,6 +96,7 @@ def test_a_failed_save_ends_every_rank_promptly_with_its_cause(tmp_path, case):
     assert not (tmp_path / "x.npz").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["missing_on_rank_1", "other_on_rank_1"])
 def test_a_checkpoint_only_some_ranks_can_load_ends_every_rank_promptly_before_any_loads(tmp_path, case):
     """A file only rank 0's node holds, or another file on rank 1: every rank raises the same error at
@@ -116,6 +122,7 @@ def test_a_checkpoint_only_some_ranks_can_load_ends_every_rank_promptly_before_a
     assert not (tmp_path / "x.npz").exists()
 
 
+@pytest.mark.slow
 def test_every_rank_loading_the_same_checkpoint_resumes_as_one_process(tmp_path):
     saved = tmp_path / "ckpt.h5"
     run("--steps", 4, "--save-at", 2, "--checkpoint", saved, "--out", tmp_path / "single.npz")
@@ -123,6 +130,7 @@ def test_every_rank_loading_the_same_checkpoint_resumes_as_one_process(tmp_path)
     assert_same_weights(tmp_path / "single.npz", tmp_path / "two.npz")
 
 
+@pytest.mark.slow
 def test_a_crashing_rank_ends_the_job_in_bounded_time(tmp_path):
     start = time.monotonic()
     result = run("--steps", 50, "--crash-at", 2, "--out", tmp_path / "x.npz", ranks=2, check=False, timeout=240)
@@ -154,6 +162,7 @@ def test_zero_ownership_balances_elements():
     assert load == [110, 110] and set(owner) == set(sizes)
 
 
+@pytest.mark.slow
 def test_mismatched_models_across_ranks_are_detected(tmp_path):
     script = tmp_path / "mismatch.py"
     script.write_text(f"""

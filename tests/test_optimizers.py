@@ -63,10 +63,11 @@ def train_against_reference(model_name, config, kind, clip, options_extra=None, 
     return trainer, reference
 
 
-@pytest.mark.parametrize("model_name", MODELS)
+# the fast tier: the MLP with clipping and bias correction, both decay modes; the other combinations marked slow
+@pytest.mark.parametrize("model_name", ["mlp", pytest.param("transformer", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("mode", [DecayMode.BEFORE_WEIGHT_UPDATE, DecayMode.AFTER_WEIGHT_UPDATE])
-@pytest.mark.parametrize("bias_correction", [True, False])
-@pytest.mark.parametrize("clip", [True, False])
+@pytest.mark.parametrize("bias_correction", [True, pytest.param(False, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("clip", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_adam_matches_legacy_formula(model_name, mode, bias_correction, clip):
     config = optim.AdamConfig(lr=3e-3, alpha=0.85, beta=0.99, lambda_coef=0.05, epsilon=EPSILON, max_norm_clip=0.5,
                               do_bias_correction=bias_correction, weight_decay_mode=mode)
@@ -77,9 +78,9 @@ def test_adam_matches_legacy_formula(model_name, mode, bias_correction, clip):
     assert counts == {STEPS + 1}
 
 
-@pytest.mark.parametrize("model_name", MODELS)
+@pytest.mark.parametrize("model_name", ["mlp", pytest.param("transformer", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("bias_correction", [True, False])
-@pytest.mark.parametrize("clip", [True, False])
+@pytest.mark.parametrize("clip", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_lamb_matches_legacy_formula(model_name, bias_correction, clip):
     config = optim.LambConfig(lr=1e-2, alpha=0.9, beta=0.99, lambda_coef=0.01, ratio_min=0.05, ratio_max=5.0,
                               epsilon=EPSILON, max_norm_clip=0.5, do_bias_correction=bias_correction)
@@ -93,6 +94,7 @@ def test_sgd_matches_legacy_formula_without_clipping():
     train_against_reference("mlp", optim.SGDConfig(lr=0.1), "sgd", clip=True)
 
 
+@pytest.mark.slow
 def test_adam_mode_0_matches_torch_adamw():
     from parity import run_parity
 
@@ -159,6 +161,7 @@ def test_a_tied_weight_is_frozen_and_grouped_by_either_of_its_names(name):
                options=cpu_options({"utils": {"grad_norm_clip": False}}))
 
 
+@pytest.mark.slow
 def test_lamb_param_groups_take_effect():
     params = [{"params": ["fc2.weight"], "alpha": 0.6, "lambda_coef": 0.3, "ratio_max": 2.0}]
     config = optim.LambConfig(params=params, lr=1e-2, ratio_min=0.05, ratio_max=5.0, epsilon=EPSILON)
@@ -219,9 +222,10 @@ def _with_decay_on_weights_only(model, **settings):
 
 @pytest.mark.parametrize("make", [
     lambda model: torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.8, 0.99), eps=EPSILON, weight_decay=0.05),
-    lambda model: _with_decay_on_weights_only(model, lr=3e-3, eps=EPSILON, weight_decay=0.1),
-    lambda model: torch.optim.Adam(model.parameters(), lr=1e-3, eps=EPSILON),
-    lambda model: torch.optim.AdamW(model.fc1.parameters(), lr=1e-3, eps=EPSILON),
+    pytest.param(lambda model: _with_decay_on_weights_only(model, lr=3e-3, eps=EPSILON, weight_decay=0.1),
+                 marks=pytest.mark.slow),
+    pytest.param(lambda model: torch.optim.Adam(model.parameters(), lr=1e-3, eps=EPSILON), marks=pytest.mark.slow),
+    pytest.param(lambda model: torch.optim.AdamW(model.fc1.parameters(), lr=1e-3, eps=EPSILON), marks=pytest.mark.slow),
     lambda model: torch.optim.SGD(model.parameters(), lr=0.1),
 ], ids=["adamw", "adamw-no-decay-on-biases", "adam", "adamw-over-one-layer", "sgd"])  # fmt: skip
 def test_the_config_a_torch_optimizer_is_refused_with_trains_as_that_optimizer(make):

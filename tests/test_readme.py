@@ -27,7 +27,10 @@ def test_readme_has_python_blocks():
     assert BLOCKS, "no ```python block found in README.md"
 
 
-@pytest.mark.parametrize("code", BLOCKS, ids=[f"block{index}" for index in range(len(BLOCKS))])
+# the fast tier runs the quick start (the first block); the others (8-60 s each, run twice) are marked slow: what they
+# show has its fast tests (tests/test_hf_models.py, test_onnx_export.py, test_optimizers.py)
+@pytest.mark.parametrize("code", [code if index == 0 else pytest.param(code, marks=pytest.mark.slow)
+                                  for index, code in enumerate(BLOCKS)], ids=[f"block{index}" for index in range(len(BLOCKS))])  # fmt: skip
 def test_readme_block_runs_twice(code, tmp_path):
     outputs = [run_block(code, tmp_path) for _ in range(2)]
     if "lr_scheduler" in code:  # the quick start: its schedule must end with its loop, near 0

@@ -16,6 +16,7 @@ def run_sample(*args, cwd=ROOT):
     return result.stdout
 
 
+@pytest.mark.slow
 def test_char_lm_learns_exports_samples_and_resumes(tmp_path):
     common = ["--eval-every", 10, "--checkpoint-every", 10, "--max-chars", 100_000, "--out-dir", tmp_path]
     first = run_sample(ROOT / "samples/char_lm.py", "--steps", 20, *common)
@@ -31,6 +32,7 @@ def test_char_lm_learns_exports_samples_and_resumes(tmp_path):
     assert len(sizes) == 1, f"checkpoints grow with the run: {sizes}"
 
 
+@pytest.mark.slow
 def test_digits_classifier_trains():
     output = run_sample(ROOT / "samples/digits_classifier.py", "--epochs", 3)
     accuracy = float(output.rsplit("test accuracy: ", 1)[1].split("%")[0])
@@ -48,6 +50,7 @@ def test_legacy_script_ported_as_from_legacy_md_shows_runs_here(tmp_path):
     assert (tmp_path / "model.ortcp").stat().st_size > 0 and (tmp_path / "model.onnx").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_torchrun_sample_trains_on_two_ranks_with_zero(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                f"--log-dir={tmp_path / 'logs'}", str(ROOT / "samples/torchrun_ddp.py"), "--epochs", "3", "--zero", "--checkpoint", str(tmp_path / "d.ortcp")]
@@ -65,6 +68,7 @@ def test_torchrun_sample_trains_on_two_ranks_with_zero(tmp_path):
     assert set(state["optimizer"]) == weights, "the consolidated file holds every rank's part of Adam's state"
 
 
+@pytest.mark.slow
 def test_hf_text_classifier_trains_the_transformers_way_and_saves_a_loadable_model(tmp_path):
     transformers = pytest.importorskip("transformers", reason="the sample trains a transformers model (test extra)")
     output = run_sample(ROOT / "samples/hf_text_classifier.py", "--epochs", 1, "--max-files", 6, "--out-dir", tmp_path)
