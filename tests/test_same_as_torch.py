@@ -1012,18 +1012,14 @@ def test_values_written_into_the_weights_between_steps_take_effect_as_in_torch(w
     """The trainer trains the module's own tensors, as a torch loop does, so values written into them between steps
     (weights loaded, WGAN's clipping, a re-initialised head, a forward in train mode that moves BatchNorm's statistics)
     are trained from the next step: the same writes in a torch loop, every state_dict key equal step by step."""
-    torch.manual_seed(0)
-    model = CNN()
-    reference = copy.deepcopy(model)
-    torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
-    generator = torch.Generator().manual_seed(0)
-    for step in range(3):
-        step_both(trainer, reference, torch_optimizer, cnn_batch(generator=generator), step, F.cross_entropy)
+
+    def write_both(step, trainer, model, reference, batch):
         torch.manual_seed(step)  # the same new weights (load_state_dict), the same batch (_run_in_train_mode)
         write(model, None)
         torch.manual_seed(step)
         write(reference, None)
+
+    _cnn_trained_alongside_torch(write_both)
 
 
 @pytest.mark.parametrize("write, message", [
@@ -1052,6 +1048,20 @@ def test_what_the_graphs_do_not_read_in_place_changed_after_the_first_step_is_re
 def test_the_module_loaded_with_the_trained_state_between_steps_trains_like_torch():
     """The legacy ORTTrainer had no sync_to_module: its users loaded state_dict(pytorch_format=True) into the module to
     evaluate it in torch between epochs. That writes the module's tensors with the values they hold already."""
+
+    def evaluate_in_torch(step, trainer, model, reference, batch):
+        model.load_state_dict(trainer.state_dict(pytorch_format=True), strict=False)
+        model.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(model(batch[0]), reference.eval()(batch[0]), atol=1e-5, rtol=1e-5)
+        model.train(), reference.train()
+
+    _cnn_trained_alongside_torch(evaluate_in_torch)
+
+
+def _cnn_trained_alongside_torch(between_steps) -> None:
+    """A CNN trained for 3 steps by orttrainer and by a torch loop, every state_dict key compared after each step;
+    ``between_steps(step, trainer, model, reference, batch)`` runs after each."""
     torch.manual_seed(0)
     model = CNN()
     reference = copy.deepcopy(model)
@@ -1059,13 +1069,9 @@ def test_the_module_loaded_with_the_trained_state_between_steps_trains_like_torc
     trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
     generator = torch.Generator().manual_seed(0)
     for step in range(3):
-        x, label = cnn_batch(generator=generator)
-        step_both(trainer, reference, torch_optimizer, (x, label), step, F.cross_entropy)
-        model.load_state_dict(trainer.state_dict(pytorch_format=True), strict=False)
-        model.eval()
-        with torch.no_grad():
-            torch.testing.assert_close(model(x), reference.eval()(x), atol=1e-5, rtol=1e-5)
-        model.train(), reference.train()
+        batch = cnn_batch(generator=generator)
+        step_both(trainer, reference, torch_optimizer, batch, step, F.cross_entropy)
+        between_steps(step, trainer, model, reference, batch)
 
 
 def _adam_with_weight_decay(**groups):
