@@ -10,6 +10,7 @@ to a temporary file beside the target that is flushed, synced and renamed, so ``
 never holds a half-written checkpoint.
 """
 
+import contextlib
 import os
 import pickle
 import tempfile
@@ -66,13 +67,21 @@ def save(state: dict, path, overwrite: bool = False) -> None:
     path = os.fspath(path)
     if os.path.exists(path) and not overwrite:
         raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
+    with written_whole(path, overwrite) as temporary, h5py.File(temporary, "w") as file:
+        for key, value in state.items():
+            _write(file, key, value, "")
+
+
+@contextlib.contextmanager
+def written_whole(path: str, overwrite: bool = True):
+    """A temporary path beside ``path`` for the block to write; when the block ends without error the file is
+    synced and renamed to ``path`` (without ``overwrite``, linked: an existing file is never replaced), so ``path``
+    is the old file or the whole new one, never a part; on an error it is removed."""
     directory = os.path.dirname(os.path.abspath(path))
     handle, temporary = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
-        with h5py.File(temporary, "w") as file:
-            for key, value in state.items():
-                _write(file, key, value, "")
-        os.fsync(handle)  # h5py closed and flushed the file; make it durable before the rename
+        yield temporary
+        os.fsync(handle)  # the writer closed and flushed the file; make it durable before the rename
         os.fchmod(handle, 0o666 & ~_current_umask())  # mkstemp's 0600 would outlive the rename
         os.close(handle)
         handle = None

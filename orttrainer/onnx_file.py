@@ -5,7 +5,7 @@ initializers. A protobuf message cannot pass 2 GiB, so a model whose weights wou
 the graph and, beside it, one file of the weights' bytes that the graph's initializers point into (ONNX's
 external data, which ``onnxruntime.InferenceSession(path)`` and ``onnx.load(path)`` read). The weights
 are written tensor by tensor from torch memory, never gathered into one message, and both files appear
-only once whole (written under temporary names, then renamed).
+only once whole (``checkpoint.written_whole``: a temporary file, synced and renamed).
 """
 
 import os
@@ -14,6 +14,8 @@ import numpy as np
 import onnx
 import torch
 from onnx import helper, numpy_helper
+
+from .checkpoint import written_whole
 
 # a message's size limit (protobuf's 2 GiB), which the graph and its weights must stay under to be one file
 PROTOBUF_LIMIT = onnx.checker.MAXIMUM_PROTOBUF
@@ -50,10 +52,10 @@ def save(model: onnx.ModelProto, weights: dict, path, external_data=None) -> Non
         onnx.save(saved, path)
         return
     data_path = f"{os.fspath(path)}.data"
-    with _written_whole(data_path) as data:
+    with written_whole(data_path) as temporary, open(temporary, "wb") as data:
         for name in names:
             saved.graph.initializer.append(_external_tensor(name, weights[name], data, os.path.basename(data_path)))
-    with _written_whole(os.fspath(path)) as graph_file:
+    with written_whole(os.fspath(path)) as temporary, open(temporary, "wb") as graph_file:
         graph_file.write(saved.SerializeToString())
 
 
@@ -76,22 +78,3 @@ def _external_tensor(name: str, tensor: torch.Tensor, data, location: str) -> on
     for key, value in (("location", location), ("offset", str(offset)), ("length", str(array.nbytes))):
         entry.external_data.add(key=key, value=value)
     return entry
-
-
-class _written_whole:
-    """A binary file written under a temporary name and renamed to ``path`` only when the block ends without error."""
-
-    def __init__(self, path: str):
-        self.path, self.temporary = path, f"{path}.partial"
-
-    def __enter__(self):
-        self.file = open(self.temporary, "wb")
-        return self.file
-
-    def __exit__(self, error_type, error, traceback):
-        self.file.close()
-        if error_type is None:
-            os.replace(self.temporary, self.path)
-        else:
-            os.remove(self.temporary)
-        return False
