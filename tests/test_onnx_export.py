@@ -155,11 +155,11 @@ def test_save_as_onnx_refuses_one_file_past_the_limit_and_a_file_object_for_exte
 
 def test_the_exported_graph_holds_no_weights_so_size_is_no_limit():
     """The export writes the module's weights and buffers as graph inputs named by their state_dict keys, never as
-    initializers: the graph of a 64 MiB model is a few KiB, so no model passes protobuf's 2 GiB on the way to
+    initializers: the graph of a 4 MiB model is a few KiB, so no model passes protobuf's 2 GiB on the way to
     the gradient builder and the sessions."""
     seen = []
     options = cpu_options({"_internal_use": {"extra_postprocess": seen.append}})
-    model = torch.nn.Sequential(torch.nn.Linear(64, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 4096), torch.nn.BatchNorm1d(4096))
+    model = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024), torch.nn.BatchNorm1d(1024))
     trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.01), loss_fn=lambda out, y: F.mse_loss(out.sum(1), y), options=options)
     trainer.train_step(torch.randn(4, 64), torch.randn(4))
     (exported,) = seen
