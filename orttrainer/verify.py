@@ -120,6 +120,9 @@ class Projected:
                 count += int(finite.sum())
                 chunk = chunk.masked_fill(~finite, 0.0)
                 chunk_square = torch.dot(chunk, chunk).item()
+                if not math.isfinite(chunk_square):  # float64 elements past 1e154: the norm, and so the bound, overflow
+                    raise RuntimeError("debug.check_against_torch: a float64 gradient holds values past 1e154, which its "
+                                       "reduced form cannot bound; set debug.check_against_torch to 'off'")  # fmt: skip
             flip = torch.randint(0, 2, (_PROJECTIONS,), generator=chunk_signs, dtype=torch.float64).mul_(2).sub_(1)
             values += flip * (signs[:, : chunk.numel()] @ chunk)
             if chunk.numel():

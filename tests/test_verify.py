@@ -170,3 +170,13 @@ def test_projected_comparison_at_boundary_values(case):
     elementwise = verify.compare(verify.StepResult({}, {"w": ours}), verify.StepResult({}, {"w": torch_gradient}), torch.float32, {})
     projected = verify.compare(verify.StepResult({}, {"w": ours}), reference, torch.float32, {})
     assert bool(projected) == bool(elementwise) == (case in ("one-in-a-million-off", "nan-on-one", "inf-sign"))
+
+
+def test_projected_refuses_float64_values_it_cannot_bound():
+    """±huge: float32 squares stay finite in float64; a float64 gradient past 1e154 would overflow the norm the bound
+    is made of, so any difference would pass: refused, naming the way out."""
+    huge = verify.Projected.of(torch.tensor([3e38, -3e38, 1.0]))
+    assert huge.specials == (0, 0, 0) and huge.norm > 4e38
+    with pytest.raises(RuntimeError, match=r"values past 1e154, which its reduced form cannot bound; set "
+                                           r"debug.check_against_torch to 'off'"):
+        verify.Projected.of(torch.tensor([1e200, 1.0], dtype=torch.float64))
