@@ -40,7 +40,8 @@ def assert_same_weights(path_a, path_b):
         np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-5, err_msg=key)
 
 
-# the fast tier keeps ZeRO with accumulation and clipping; the rest (each 8-30 s of torchrun) is marked slow
+# the fast tier keeps ZeRO with accumulation and clipping, its checkpoints resumed and a crashing rank; the other torchrun
+# jobs (5-30 s each) are marked slow
 @pytest.mark.parametrize("zero", [pytest.param(False, marks=pytest.mark.slow), True],
                          ids=["adam+accumulation", "zero1+adam+accumulation+clipping"])  # fmt: skip
 def test_two_ranks_with_batch_b_equal_one_process_with_batch_2b(tmp_path, zero):
@@ -60,7 +61,6 @@ def test_ranks_with_batches_of_different_shapes_train_like_one_process_accumulat
     assert_same_weights(tmp_path / "single.npz", tmp_path / "two.npz")
 
 
-@pytest.mark.slow
 def test_zero_checkpoints_aggregate_and_resume_in_one_process(tmp_path):
     checkpoint = tmp_path / "ckpt.{rank}.h5"
     flags = ["--steps", 7, "--zero", "--accumulation", 2]  # saved at the end of the second window
@@ -130,7 +130,6 @@ def test_every_rank_loading_the_same_checkpoint_resumes_as_one_process(tmp_path)
     assert_same_weights(tmp_path / "single.npz", tmp_path / "two.npz")
 
 
-@pytest.mark.slow
 def test_a_crashing_rank_ends_the_job_in_bounded_time(tmp_path):
     start = time.monotonic()
     result = run("--steps", 50, "--crash-at", 2, "--out", tmp_path / "x.npz", ranks=2, check=False, timeout=240)

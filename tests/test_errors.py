@@ -96,7 +96,6 @@ def test_no_assert_statements_in_the_package():
     assert found == []
 
 
-@pytest.mark.slow
 def test_checks_survive_python_dash_o():
     code = ("from orttrainer import optim\n"
             "try:\n    optim.AdamConfig(alpha=-1.0)\nexcept ValueError as error:\n    print(type(error).__name__, error)\n")

@@ -106,7 +106,7 @@ def _compare_outputs(outputs, expected, what):
 @pytest.mark.parametrize(
     "make, make_batch",
     [(bert_classifier, classification_batch), pytest.param(bert_masked_lm, masked_lm_batch, marks=pytest.mark.slow),
-     (gpt2_lm, causal_lm_batch), pytest.param(checkpointed_gpt2_lm, causal_lm_batch, marks=pytest.mark.slow)],
+     (gpt2_lm, causal_lm_batch), (checkpointed_gpt2_lm, causal_lm_batch)],
     ids=["bert-classifier", "bert-masked-lm-tied", "gpt2-lm-tied-use-cache", "gpt2-lm-gradient-checkpointing"],
 )
 def test_trains_like_torch_and_gives_back_the_model(tmp_path, make, make_batch):
@@ -346,7 +346,6 @@ def test_a_constant_passed_to_a_step_goes_to_forward_and_chooses_the_graph(tmp_p
         _close(torch.from_numpy(session.run(["logits"], feeds)[0]), reference(**{**batch, "scale": 2.0})["logits"], "ONNX")
 
 
-@pytest.mark.slow
 def test_output_hidden_states_changed_between_steps_gives_what_torch_gives():
     """A transformers flag (forward's **kwargs: Unpack[TransformersKwargs]) that changes the outputs: False, True, False."""
     torch.manual_seed(0)

@@ -94,7 +94,6 @@ def test_sgd_matches_legacy_formula_without_clipping():
     train_against_reference("mlp", optim.SGDConfig(lr=0.1), "sgd", clip=True)
 
 
-@pytest.mark.slow
 def test_adam_mode_0_matches_torch_adamw():
     from parity import run_parity
 

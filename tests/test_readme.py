@@ -27,10 +27,9 @@ def test_readme_has_python_blocks():
     assert BLOCKS, "no ```python block found in README.md"
 
 
-# the fast tier runs the quick start (the first block); the others (8-60 s each, run twice) are marked slow: what they
-# show has its fast tests (tests/test_hf_models.py, test_onnx_export.py, test_optimizers.py)
-@pytest.mark.parametrize("code", [code if index == 0 else pytest.param(code, marks=pytest.mark.slow)
-                                  for index, code in enumerate(BLOCKS)], ids=[f"block{index}" for index in range(len(BLOCKS))])  # fmt: skip
+# the Hugging Face snippets (15-60 s each, run twice) are marked slow: tests/test_hf_models.py is their fast tier
+@pytest.mark.parametrize("code", [pytest.param(code, marks=pytest.mark.slow) if "transformers" in code else code
+                                  for code in BLOCKS], ids=[f"block{index}" for index in range(len(BLOCKS))])  # fmt: skip
 def test_readme_block_runs_twice(code, tmp_path):
     outputs = [run_block(code, tmp_path) for _ in range(2)]
     if "lr_scheduler" in code:  # the quick start: its schedule must end with its loop, near 0
