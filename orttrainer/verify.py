@@ -202,21 +202,18 @@ def _run_holding(module, loss_fn, forward_names, constants, inputs, weights: dic
     ``loss_index`` the gradients of that output for the weights named in ``trained`` (backward into leaves of their
     own: no parameter's ``.grad`` is touched), each as ``keep(name, gradient)`` returns it: (outputs, {buffer name:
     value after forward}, {weight name: what keep returned, for those that got a gradient})."""
-    leaves, given = {}, {}
+    leaves, given, seen = {}, {}, set()
     for name, tensor in weights.items():
-        alias = next((other for other in leaves if _same_memory(weights[other], tensor)), None)
-        if alias is not None:  # a tied weight under another name: functional_call ties it to the first
+        memory = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype)
+        if memory in seen:  # a tied weight under another name: functional_call ties it to the first
             continue
+        seen.add(memory)
         leaves[name] = tensor.detach().requires_grad_(name in trained and tensor.is_floating_point())
         given[f"wrapper.{export.WRAPPED}{name}"] = leaves[name]
     buffer_names = [name for name in leaves if name not in dict(module.named_parameters())]
     wrapper = export.with_loss(module, loss_fn, forward_names, constants)
     step = _ForwardAndGradients(wrapper, leaves, buffer_names, loss_index, keep)
     return torch.func.functional_call(step, given, tuple(inputs), strict=False)
-
-
-def _same_memory(one: torch.Tensor, other: torch.Tensor) -> bool:
-    return (one.data_ptr(), one.shape, one.stride(), one.dtype) == (other.data_ptr(), other.shape, other.stride(), other.dtype)
 
 
 def torch_step(module, loss_fn, forward_names, inputs, weights: dict, output_names, loss_name, trained,
