@@ -278,9 +278,9 @@ def _torch_reference(source, exported) -> verify.Reference:
     parameters = dict(source.module.named_parameters())
     projected = sum(tensor.numel() * tensor.element_size() for tensor in parameters.values()) > verify.FULL_CHECK_BYTES
     if projected:
-        _say_once(f"the first-step check compares each gradient by {verify._PROJECTIONS} random projections (weights over "
-                  f"{verify.FULL_CHECK_BYTES // 2**20} MiB: a second full set of gradients would not fit in the memory "
-                  "torch's loop takes); outputs and buffers element by element")  # fmt: skip
+        progress.say_once(f"the first-step check compares each gradient by {verify._PROJECTIONS} random projections "
+                          f"(weights over {verify.FULL_CHECK_BYTES // 2**20} MiB: a second full set of gradients would "
+                          "not fit in the memory torch's loop takes); outputs and buffers element by element")  # fmt: skip
     step = verify.torch_step(source.module, source.loss_fn, source.forward_names, exported.inputs, exported.state,
                              output_names=[entry.name for entry in desc.outputs], loss_name=desc.loss_output.name,
                              trained=list(parameters), constants=exported.constants, projected=projected)  # fmt: skip
@@ -289,16 +289,6 @@ def _torch_reference(source, exported) -> verify.Reference:
     digests = {name: verify.weight_digest(tensor) for name, tensor in exported.state.items()}
     batch_digests = [verify.weight_digest(tensor) for tensor in exported.inputs]
     return verify.Reference(source.module, source.forward_names, exported.constants, step, digests, batch_digests, projected)
-
-
-_SAID = set()
-
-
-def _say_once(message: str) -> None:
-    """Log ``message`` through the orttrainer logger, once per process."""
-    if message not in _SAID:
-        _SAID.add(message)
-        progress.logger.info(message)
 
 
 def _module_tensors(state: dict, names) -> dict:

@@ -22,6 +22,16 @@ if not logger.handlers and logger.level == logging.NOTSET:
     logger.propagate = False
 
 
+_SAID = set()
+
+
+def say_once(message: str) -> None:
+    """Log ``message`` at INFO, once per process."""
+    if message not in _SAID:
+        _SAID.add(message)
+        logger.info(message)
+
+
 def size_of(tensors) -> str:
     """'124.4M parameters, 0.46 GiB': the element count and bytes of ``tensors``."""
     tensors = list(tensors)

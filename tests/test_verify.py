@@ -112,10 +112,10 @@ def test_check_compares_with_the_weights_loaded_before_the_first_step():
 # ------------------------------------------------------------------ the reduced (projected) check
 def _projected_check(monkeypatch, caplog):
     """Every model counts as large: torch's gradients kept as verify.Projected."""
-    from orttrainer import build, progress
+    from orttrainer import progress
 
     monkeypatch.setattr(verify, "FULL_CHECK_BYTES", 0)
-    monkeypatch.setattr(build, "_SAID", set())
+    monkeypatch.setattr(progress, "_SAID", set())
     monkeypatch.setattr(progress.logger, "handlers", [caplog.handler])
 
 
