@@ -148,10 +148,14 @@ def forward_keywords(model: torch.nn.Module) -> list:
     parameters = forward_parameters(model)
     named = [name for name, parameter in parameters.items() if parameter.kind in _BY_KEYWORD]
     wrapped = _WRAPPER_KEYWORDS if _pops_return_dict(getattr(model.forward, "__func__", model.forward)) else []
-    return named + [name for name in _typed_keywords(parameters) + wrapped if name not in named]
+    takes_any = any(parameter.kind == inspect.Parameter.VAR_KEYWORD for parameter in parameters.values())
+    loss = _LOSS_KEYWORDS if takes_any and hasattr(model, "loss_function") else []
+    return named + [name for name in _typed_keywords(parameters) + wrapped + loss if name not in named]
 
 
 _WRAPPER_KEYWORDS = ["return_dict"]  # what transformers' can_return_tuple takes off a forward's keywords
+# what a transformers model's forward passes from its **kwargs to its loss_function (transformers.Trainer sends it)
+_LOSS_KEYWORDS = ["num_items_in_batch"]
 
 
 def _pops_return_dict(function) -> bool:

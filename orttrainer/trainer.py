@@ -249,6 +249,15 @@ class ORTTrainer:
 
         Returns the outputs in model_desc order (or ``fetches`` order), one tensor bare.
         """
+        outputs, window_ends, accumulation = self._forward_backward(args, kwargs)
+        lr = self._learning_rate()
+        if window_ends and self._update_weights(lr, accumulation):
+            self._train_step_info.optimization_step += 1
+        return outputs
+
+    def _forward_backward(self, args, kwargs):
+        """The batch's forward and backward: its gradients summed into the window's (``_gradients.sums``), BatchNorm
+        statistics updated; returns (the outputs as train_step returns them, whether the window ends, its size)."""
         self._refuse_setting_edits()
         inputs = self._ensure_initialized(args, kwargs)
         self._refuse_module_edits(training=True)
@@ -269,10 +278,7 @@ class ORTTrainer:
             self._data_parallel.share_buffers(self._runtime.batch_norm_tensors())
         if not starts_window:
             self._gradients.add_scratch()
-        lr = self._learning_rate()
-        if info.step % accumulation == 0 and self._update_weights(lr, accumulation):
-            info.optimization_step += 1
-        return self._select_outputs(outputs, requested)
+        return self._select_outputs(outputs, requested), info.step % accumulation == 0, accumulation
 
     def _accumulation_steps(self, step: int) -> int:
         """``batch.gradient_accumulation_steps``, which may change only where a window of the old size ends and one of

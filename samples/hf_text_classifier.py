@@ -1,13 +1,14 @@
-"""Train a Hugging Face transformers model with ORTTrainer, the way a transformers user would.
+"""Fine-tune a Hugging Face transformers model with `transformers.Trainer`, run by orttrainer.
 
-The model is `BertForSequenceClassification` (a small config, random init: nothing is
-downloaded), the tokenizer a `tokenizers` WordPiece trained here, the batches come from
-`DataCollatorWithPadding` (dynamic padding to a multiple of 16, so the sequence length
-changes from batch to batch), and the loop is the usual `out = model(**batch)` one with
-`trainer.train_step(**batch)` in its place. The task: tell which standard-library package
-(email, json, unittest, xml, ...) a snippet of Python source comes from. The run shows a
-progress bar, evaluates on snippets of held-out files, draws the loss curve and saves the
-model with `save_pretrained`, ready for `BertForSequenceClassification.from_pretrained`.
+The script is an ordinary `Trainer` script; the one change is the import: `Trainer` comes from
+`orttrainer.hf`, so each training step's forward and backward run in ONNX Runtime while the
+optimizer, schedule, clipping, logging, evaluation and checkpoints are `Trainer`'s own. The model is
+`BertForSequenceClassification` (a small config, random init: nothing is downloaded), the tokenizer a
+`tokenizers` WordPiece trained here, the batches come from `DataCollatorWithPadding` (dynamic padding
+to a multiple of 16: a graph per sequence length). The task: tell which standard-library package
+(email, json, unittest, xml, ...) a snippet of Python source comes from. The run shows Trainer's
+progress bar, evaluates on snippets of held-out files each epoch, draws the loss curve and saves the
+model, ready for `BertForSequenceClassification.from_pretrained`.
 
     python samples/hf_text_classifier.py
     python samples/hf_text_classifier.py --epochs 1 --out-dir runs/quick
@@ -23,11 +24,10 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
-from torch.utils.data import DataLoader
-from tqdm import tqdm
 from transformers import BertConfig, BertForSequenceClassification, DataCollatorWithPadding, PreTrainedTokenizerFast
+from transformers import TrainingArguments
 
-from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+from orttrainer.hf import Trainer  # was: from transformers import Trainer
 
 from loss_curve import plot_loss_curve  # samples/loss_curve.py
 
@@ -71,13 +71,10 @@ def encoded(snippets, tokenizer) -> list:
     return [{"input_ids": ids, "label": label} for ids, label in zip(encodings["input_ids"], labels)]
 
 
-def accuracy(trainer, loader) -> float:
-    correct = total = 0
-    for batch in loader:
-        logits = trainer.eval_step(**batch).logits
-        correct += int((logits.argmax(-1) == batch["labels"]).sum())
-        total += len(batch["labels"])
-    return correct / total
+def accuracy(prediction) -> dict:
+    """Trainer's compute_metrics: the share of held-out snippets whose package is the likeliest."""
+    logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
+    return {"accuracy": float((logits.argmax(-1) == prediction.label_ids).mean())}
 
 
 # ------------------------------------------------------------------------------ main
@@ -101,37 +98,32 @@ def main():
     print(f"{len(train)} training and {len(test)} held-out snippets from {len(PACKAGES)} packages; "
           f"vocabulary {tokenizer.vocab_size}; always guessing the commonest package: {majority:.1%}")
 
-    collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=16, return_tensors="pt")
-    train_loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, collate_fn=collator)
-    test_loader = DataLoader(test, batch_size=64, collate_fn=collator)
     config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                         intermediate_size=128, max_position_embeddings=MAX_TOKENS, num_labels=len(PACKAGES),
                         pad_token_id=tokenizer.pad_token_id)
     model = BertForSequenceClassification(config)
+    arguments = TrainingArguments(str(out_dir / "trainer"), num_train_epochs=args.epochs, learning_rate=args.lr,
+                                  per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=64,
+                                  warmup_steps=0.1, weight_decay=0.01, logging_steps=5, eval_strategy="epoch",
+                                  save_strategy="no", report_to=[], seed=0, use_cpu=True)
+    collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=16, return_tensors="pt")
+    trainer = Trainer(model=model, args=arguments, train_dataset=train, eval_dataset=test, data_collator=collator,
+                      compute_metrics=accuracy)
 
-    steps = args.epochs * len(train_loader)
-    options = ORTTrainerOptions({"lr_scheduler": optim.LinearWarmupLRScheduler(total_steps=steps, warmup=0.1)})
-    trainer = ORTTrainer(model, None, optim.AdamConfig(lr=args.lr, lambda_coef=0.01), options=options)  # the model's own loss
-
-    losses = []
     began = time.perf_counter()
-    for epoch in range(args.epochs):
-        progress = tqdm(train_loader, desc=f"epoch {epoch + 1}/{args.epochs}", unit="step", mininterval=1.0)
-        for batch in progress:
-            out = trainer.train_step(**batch)  # was: out = model(**batch); out.loss.backward(); optimizer.step()
-            losses.append(out.loss.item())
-            progress.set_postfix(loss=f"{losses[-1]:.3f}", seq=batch["input_ids"].shape[1])
-        print(f"epoch {epoch + 1}: held-out accuracy {accuracy(trainer, test_loader):.1%}")
-    window = min(20, len(losses))
-    print(f"trained {len(losses)} steps in {time.perf_counter() - began:.1f} s; mean loss of the first {window} steps "
-          f"{sum(losses[:window]) / window:.3f}, of the last {window} {sum(losses[-window:]) / window:.3f}")
+    trainer.train()
+    losses = [(entry["step"], entry["loss"]) for entry in trainer.state.log_history if "loss" in entry]
+    window = min(4, len(losses))
+    first, last = (sum(loss for _, loss in part) / window for part in (losses[:window], losses[-window:]))
+    print(f"trained {trainer.state.global_step} steps in {time.perf_counter() - began:.1f} s; mean logged loss of the "
+          f"first {window} logs {first:.3f}, of the last {window} {last:.3f}")
 
-    final = accuracy(trainer, test_loader)
+    final = trainer.evaluate()["eval_accuracy"]
     print(f"final held-out accuracy {final:.1%} vs {majority:.1%} for the commonest package "
           f"({'learned' if final > majority + 0.1 else 'did NOT beat the baseline'})")
-    model.save_pretrained(out_dir / "model")  # trained in place: `model` holds the trained weights
+    trainer.save_model(str(out_dir / "model"))  # trained in place: `model` holds the trained weights
     tokenizer.save_pretrained(out_dir / "model")
-    plot_loss_curve({"train (batch)": list(enumerate(losses, 1))}, "cross-entropy", out_dir / "loss_curve.png")
+    plot_loss_curve({"train (logged)": losses}, "cross-entropy", out_dir / "loss_curve.png")
     print(f"model: {out_dir / 'model'} (BertForSequenceClassification.from_pretrained); loss curve: {out_dir / 'loss_curve.png'}")
 
 

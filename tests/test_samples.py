@@ -72,7 +72,7 @@ def test_torchrun_sample_trains_on_two_ranks_with_zero(tmp_path):
 def test_hf_text_classifier_trains_the_transformers_way_and_saves_a_loadable_model(tmp_path):
     transformers = pytest.importorskip("transformers", reason="the sample trains a transformers model (test extra)")
     output = run_sample(ROOT / "samples/hf_text_classifier.py", "--epochs", 1, "--max-files", 6, "--out-dir", tmp_path)
-    first, last = map(float, re.search(r"of the first \d+ steps ([\d.]+), of the last \d+ ([\d.]+)", output).groups())
+    first, last = map(float, re.search(r"of the first \d+ logs ([\d.]+), of the last \d+ ([\d.]+)", output).groups())
     assert last < first, output
     assert "final held-out accuracy" in output and (tmp_path / "loss_curve.png").stat().st_size > 0
     model = transformers.BertForSequenceClassification.from_pretrained(tmp_path / "model")
