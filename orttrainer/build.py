@@ -400,11 +400,12 @@ def _trainable(module, onnx_model, loss_name, options, facts) -> list:
         for name, parameter in module.named_parameters()
         if parameter.requires_grad and name in in_graph and name not in frozen_names
     ]
-    if not requires_grad:
-        raise ValueError(
+    if not requires_grad:  # as the legacy trainer: the step runs, the update has nothing to do
+        warnings.warn(
             f"{type(module).__name__} has no parameter to train (none, all with requires_grad=False, or all in "
-            "options utils.frozen_weights); torch's optimizers refuse an empty parameter list too"
+            "options utils.frozen_weights): train_step runs its forward and returns its outputs, and updates nothing"
         )
+        return []
     # a weight that reaches only other outputs gets no gradient in torch (grad None): it is not trained
     return graph.weights_reaching_loss(onnx_model, requires_grad, loss_name, facts)
 

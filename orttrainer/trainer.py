@@ -395,7 +395,8 @@ class ORTTrainer:
         if self._runtime.loss_scale is not None and not self._unscale_and_check():
             return False
         grads = self._gradients
-        self._optimizer.step(grads.owned, lr, 1.0 / (accumulation * self._world.size), norm_grads=grads.all)
+        if grads.owned:  # else nothing to train here (a model without parameters: warned at the build)
+            self._optimizer.step(grads.owned, lr, 1.0 / (accumulation * self._world.size), norm_grads=grads.all)
         if self._data_parallel is not None:
             self._data_parallel.share_updated_weights(self._runtime.weights)
         return True

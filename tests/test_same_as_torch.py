@@ -198,16 +198,43 @@ def test_parameter_reaching_only_another_output_stays_untouched_like_torch():
     assert reference.auxiliary.weight.grad is None
 
 
-class NoParameters(nn.Module):
-    def forward(self, x):
-        return x * 2
+class UnusedInputModel(nn.Module):
+    """The legacy suite's model without parameters, whose second input reaches nothing (IO binding must not mind)."""
+
+    def forward(self, x, y):
+        return torch.mean(x)
 
 
-def test_model_without_parameters_is_refused_clearly():
-    trainer = ORTTrainer(NoParameters(), None, optim.SGDConfig(lr=0.1), loss_fn=F.mse_loss, options=cpu_options())
-    with pytest.raises(ValueError, match="NoParameters has no parameter to train"):
-        trainer.train_step(torch.randn(4, 3), torch.randn(4, 3))
-    assert trainer._training_session is None
+def test_model_without_parameters_steps_with_one_warning():
+    """As the legacy trainer: train_step runs the forward and returns its outputs, the update has nothing to do, and
+    one warning says so (not one per step)."""
+    trainer = ORTTrainer(UnusedInputModel(), None, optim.AdamConfig(lr=0.1), options=cpu_options())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for step in range(3):
+            x, y = torch.randn(4, 3), torch.randn(2)
+            torch.testing.assert_close(trainer.train_step(x, y), torch.mean(x))
+    told = [str(warning.message) for warning in caught if "no parameter to train" in str(warning.message)]
+    assert len(told) == 1 and "UnusedInputModel" in told[0] and "updates nothing" in told[0]
+    torch.testing.assert_close(trainer.eval_step(x, y), torch.mean(x))
+    assert trainer.state_dict()["train_step_info"]["step"] == 3
+
+
+def test_model_with_every_weight_frozen_updates_batchnorm_statistics_like_torch():
+    """Every parameter requires_grad=False: nothing is trained, the BatchNorm running statistics still move as the
+    module's forward in train mode moves them."""
+    torch.manual_seed(0)
+    model = CNN()
+    model.requires_grad_(False)
+    reference = copy.deepcopy(model)
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
+    generator = torch.Generator().manual_seed(0)
+    with pytest.warns(UserWarning, match="CNN has no parameter to train"):
+        for step in range(2):
+            x, label = cnn_batch(generator=generator)
+            loss = trainer.train_step(x, label)[0]  # the loss, then the module's output
+            torch.testing.assert_close(loss, F.cross_entropy(reference(x), label), atol=1e-5, rtol=1e-5)
+    assert_close_state(trainer, reference)
 
 
 # ------------------------------------------------------------------ batch norm
