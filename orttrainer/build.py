@@ -147,6 +147,8 @@ class Runtime:
         if not with_loss:
             loss = self.model_desc.loss_output.name
             graph.keep_outputs(model, [entry.name for entry in self.model_desc.outputs if entry.name != loss])
+        leave_out = " (save_as_onnx(path, with_loss=False) leaves the loss out)" if with_loss else ""
+        graph.refuse_ctc_losses(model, f"a plain onnxruntime.InferenceSession cannot run the saved graph{leave_out}", ValueError)
         graph.spell_batch_statistics_norms(model)
         return model
 

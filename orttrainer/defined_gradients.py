@@ -1,6 +1,6 @@
 """Gradients handed to onnxruntime-training's gradient builder for ops it has none for
-(HardSwish, torch's HardSigmoid, the inverse trigonometric Atan, Asin, Acos, and RNN, whose
-gradient is a placeholder torch runs: torch_recurrent.py).
+(HardSwish, torch's HardSigmoid, the inverse trigonometric Atan, Asin, Acos, and RNN and the CTC
+loss's ATen node, whose gradients are placeholders torch runs: torch_recurrent.py, torch_ctc.py).
 
 The builder accepts, per op type, a gradient definition: nodes that read the forward node's
 inputs ``I(i)`` and incoming gradients ``GO(i)`` and write the gradients of its inputs
@@ -26,7 +26,7 @@ import json
 import onnx
 from onnxruntime.capi import _pybind_state as _ort
 
-from . import torch_recurrent
+from . import torch_ctc, torch_recurrent
 from .rewrites import ZERO_GRADIENT_AT_BOUNDS, NodeBuilder, is_torch_hard_sigmoid, replace_nodes
 
 
@@ -102,6 +102,16 @@ _RNN_GRADIENT = [
 GRADIENT_DEFINITIONS = {"HardSwish": _HARD_SWISH_GRADIENT, "HardSigmoid": _HARD_SIGMOID_GRADIENT, "Atan": _ATAN_GRADIENT,
                         "Asin": _arc_sine_gradient("+"), "Acos": _arc_sine_gradient("-"), "RNN": _RNN_GRADIENT}  # fmt: skip
 
+# A CTC loss's gradient: one placeholder node that torch's autograd runs in a split session (torch_ctc.py), reading the
+# loss (which pairs it with its forward) and the loss's gradient, writing log_probs'
+_CTC_GRADIENT = [
+    (("ATen", torch_recurrent.ATEN_DOMAIN), ["O(0)", "GO(0)"], ["GI(0)"],
+     {"operator": {"value": torch_ctc.CTC_GRADIENT, "dtype": "string"}}),
+]  # fmt: skip
+
+# for ATen nodes, by their ``operator`` (the builder looks an ATen node's gradient up by operator and overload name)
+ATEN_GRADIENT_DEFINITIONS = {torch_ctc.CTC_LOSS: _CTC_GRADIENT}
+
 _registered = set()
 
 
@@ -123,10 +133,12 @@ def _attribute_definition(name: str, value: dict):
 
 def register_gradient_definitions() -> None:
     """Give the gradient builder the definitions above (once per process)."""
-    for op_type, nodes in GRADIENT_DEFINITIONS.items():
-        if op_type not in _registered:
-            _ort.register_gradient_definition(f"::{op_type}", [_node_definition(*node) for node in nodes])
-            _registered.add(op_type)
+    keys = {f"::{op_type}": nodes for op_type, nodes in GRADIENT_DEFINITIONS.items()}
+    keys |= {f"{torch_recurrent.ATEN_DOMAIN}::ATen::{operator}::": nodes for operator, nodes in ATEN_GRADIENT_DEFINITIONS.items()}
+    for key, nodes in keys.items():
+        if key not in _registered:
+            _ort.register_gradient_definition(key, [_node_definition(*node) for node in nodes])
+            _registered.add(key)
 
 
 def _clipped_x_plus_three(build: NodeBuilder):

@@ -21,7 +21,7 @@ import onnxruntime
 from onnx import helper, numpy_helper
 from onnxruntime.capi._pybind_state import GradientGraphBuilder, get_optimized_model
 
-from . import cpu_kernels, defined_gradients, rewrites, torch_recurrent
+from . import cpu_kernels, defined_gradients, rewrites, torch_ctc, torch_recurrent
 
 MAX_IR_VERSION = 10  # the highest IR version ONNX Runtime 1.19 loads
 
@@ -142,8 +142,10 @@ def refuse_recurrent_layers_onnx_runtime_cannot_train(model: onnx.ModelProto) ->
     """Raise GradientBuildError for a recurrent layer onnxruntime-training 1.19's CPU kernels cannot
     train, before they fail at session creation or in a run: an LSTM or GRU going the other way through
     its sequence (they take the forward direction only, docs/stack_facts.md), and an RNN, whose
-    gradient node is a placeholder only torch runs (torch_recurrent.py). Called for training graphs
-    that stay on ONNX Runtime."""
+    gradient node is a placeholder only torch runs (torch_recurrent.py); and a CTC loss, which only torch
+    runs (torch_ctc.py). Called for training graphs that stay on ONNX Runtime, and their eval graphs."""
+    refuse_ctc_losses(model, f"{_CTC_ON_TORCH}, and this one cannot be split (it holds control flow, or an output no node "
+                             "computes)")  # fmt: skip
     for node in model.graph.node:
         if torch_recurrent.kind_of(node) is torch_recurrent.RNN and node.op_type == torch_recurrent.RNN.backward:
             forward = node.name.split("_Grad/")[0]
@@ -159,6 +161,18 @@ def refuse_recurrent_layers_onnx_runtime_cannot_train(model: onnx.ModelProto) ->
                     "mixed precision, debug.graph_save_paths.model_with_training_graph_after_optimization_path or "
                     "control flow in the graph keeps it on ONNX Runtime's. Train this model without those."
                 )
+
+
+def refuse_ctc_losses(model: onnx.ModelProto, why: str, error=None) -> None:
+    """Raise ``error`` (GradientBuildError by default) naming the first CTC loss in ``model`` (ONNX Runtime has none,
+    torch_ctc.py), followed by ``why`` it cannot be run here."""
+    for node in model.graph.node:
+        if torch_ctc.is_forward(node):
+            where = f", module '{module_path(node.name)}'" if module_path(node.name) else ""
+            raise (error or GradientBuildError)(f"ctc_loss (node '{node.name}'{where}): ONNX Runtime has no CTC loss; {why}")
+
+
+_CTC_ON_TORCH = "orttrainer runs it on torch's kernel, in a graph split for torch's kernels"
 
 
 def batch_norm_statistics(model: onnx.ModelProto) -> set:
@@ -779,10 +793,14 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     but for the op types ``keep_for_torch``
     (torch's kernels will run them, torch_convolutions.py), which also keep their forward nodes of a
     defined gradient unspelled (``defined_gradients.spell_forwards``). ``recurrent_on_torch``: the sessions
-    will run recurrent layers on torch's kernels (torch_recurrent.py), so an RNN trains.
+    will run recurrent layers and CTC losses on torch's kernels (torch_recurrent.py, torch_ctc.py), so an RNN
+    and a CTC loss train (without it, a CTC loss is refused).
     ``lookups`` ({Gather node name: export.EmbeddingLookup}) carry torch's embedding gradient rules;
     ``facts`` (``infer_tensor_facts(forward)``), when the caller has them, spare an inference.
     """
+    if not recurrent_on_torch:
+        refuse_ctc_losses(forward, f"{_CTC_ON_TORCH}, which orttrainer makes on the CPU only, without mixed precision or "
+                                   "debug.graph_save_paths.model_with_training_graph_after_optimization_path")  # fmt: skip
     model = _with_ir_version(rewrites.copy_with_inputs_for(forward, list(trainable) + list(frozen)))
     name_unnamed_nodes(model.graph)
     drop_trailing_empty_inputs(model.graph)

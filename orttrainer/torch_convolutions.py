@@ -1,5 +1,5 @@
-"""Run a CPU graph's convolutions (and LSTMs and GRUs, torch_recurrent.py) with torch's kernels,
-everything else with ONNX Runtime.
+"""Run a CPU graph's convolutions (and LSTMs and GRUs, torch_recurrent.py, and CTC losses, torch_ctc.py) with
+torch's kernels, everything else with ONNX Runtime.
 
 onnxruntime-training 1.19's CPU ``Conv`` and ``ConvGrad`` kernels (im2col + GEMM) take longer
 than torch's whole step on a ResNet; torch's oneDNN kernels do the same work several times
@@ -27,7 +27,7 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
-from . import defined_gradients, session, torch_ops, torch_recurrent
+from . import defined_gradients, session, torch_ctc, torch_ops, torch_recurrent
 from .rewrites import is_torch_hard_sigmoid, node_attributes
 from .torch_ops import FunctionStep, NodeStep
 
@@ -269,10 +269,10 @@ def runs_convolutions(nodes) -> bool:
 
 
 def torch_nodes(nodes, convolutions: bool) -> set:
-    """Names of the nodes torch runs: the LSTMs and GRUs torch can take (in training, both ways),
-    and with ``convolutions`` the convolutions and, when there are any, the ``STEPS_BETWEEN_CONVOLUTIONS``
+    """Names of the nodes torch runs: the LSTMs and GRUs torch can take (in training, both ways), the CTC
+    losses, and with ``convolutions`` the convolutions and, when there are any, the ``STEPS_BETWEEN_CONVOLUTIONS``
     and the sums of torch's gradients."""
-    names = torch_recurrent.torch_nodes(nodes)
+    names = torch_recurrent.torch_nodes(nodes) | torch_ctc.torch_nodes(nodes)
     if convolutions and runs_convolutions(nodes):
         names |= {node.name for node in nodes if torch_can_run(node) or _torch_runs_between(node)}
         names |= _joining_torch_gradients(nodes, names)
@@ -438,14 +438,14 @@ def _value_info(name: str, tensor: torch.Tensor) -> onnx.ValueInfoProto:
 
 
 class SplitSession:
-    """A graph run as ONNX Runtime segments with torch's convolutions and recurrent layers between them.
+    """A graph run as ONNX Runtime segments with torch's convolutions, recurrent layers and CTC losses between them.
 
     Same interface as :class:`~orttrainer.session.TorchBoundSession`. ``open_session(model,
     all_threads)`` opens a segment's TorchBoundSession: on all threads where ONNX Runtime runs
     convolutions in it (those torch cannot take) or torch runs none, else on one (torch's spinning
     OpenMP threads would contend with the second, NOTES.md §18). With ``convolutions`` False only
-    the LSTMs and GRUs run on torch. Segments are opened at their first run, when the element types of
-    what they are handed are known.
+    the LSTMs, GRUs, RNNs and CTC losses run on torch. Segments are opened at their first run, when the
+    element types of what they are handed are known.
     """
 
     def __init__(self, model: onnx.ModelProto, open_session, convolutions: bool = True):
@@ -456,9 +456,10 @@ class SplitSession:
         self.input_names = {graph_input.name for graph_input in model.graph.input}
         self.output_names = [output.name for output in model.graph.output]
         self._inputs, self._bound_outputs, self._allocated = {}, {}, []
-        self._recordings = {}  # what a recurrent layer's forward step leaves for its gradient step
+        self._recordings = {}  # what a recurrent layer's or CTC loss's forward step leaves for its gradient step
         self._folded = torch_recurrent.fold_gate_reordering(model)  # {forward node name: roles in torch's layout}
         self._recurrent_pairs = torch_recurrent.pairs(model.graph.node)  # {forward node name: gradient node}
+        self._ctc_recorded = torch_ctc.recorded(model.graph.node)
         self.on_torch = torch_nodes(model.graph.node, convolutions)
         self._plan()
         read_on_torch = {name for step in self._steps if not isinstance(step, _Segment) for name in step.inputs}
@@ -496,6 +497,8 @@ class SplitSession:
             return _NODE_STEPS[node.op_type](node)
         if node.op_type in TORCH_OPS:
             return _Convolution(node)
+        if torch_ctc.is_forward(node) or torch_ctc.is_gradient(node):
+            return torch_ctc.step(node, self._ctc_recorded, self._recordings)
         kind = torch_recurrent.kind_of(node)
         if kind is None:
             return torch_ops.step(node)

@@ -77,11 +77,17 @@ def _attributes(node: onnx.NodeProto) -> dict:
     return {"direction": "forward", **node_attributes(node)}
 
 
+def is_aten(node: onnx.NodeProto, operator: str) -> bool:
+    """Whether ``node`` is an ATen node of ``operator``: a placeholder only torch runs (an RNN's or a CTC loss's
+    gradient, torch_ctc.py's forward)."""
+    return node.op_type == "ATen" and node.domain == ATEN_DOMAIN and node_attributes(node).get("operator") == operator
+
+
 def kind_of(node: onnx.NodeProto):
     """The LSTM, GRU or RNN kind of a recurrent node or of its gradient (an RNN's: the ``RNN_GRADIENT``
     placeholder), else None."""
     if node.op_type == RNN.backward:
-        return RNN if node.domain == ATEN_DOMAIN and node_attributes(node).get("operator") == RNN_GRADIENT else None
+        return RNN if is_aten(node, RNN_GRADIENT) else None
     return _KINDS.get(node.op_type)
 
 
@@ -436,12 +442,17 @@ class RecurrentBackward:
         # pairs(): the forward has every input whose gradient this node writes
         wanted = [(name, leaves[role]) for role, name in self.targets.items() if role not in _WEIGHTS]
         weights = {role: name for role, name in self.targets.items() if role in _WEIGHTS}
-        sources = [leaf for _, leaf in wanted] + (parameters if weights else [])
-        gradients = torch.autograd.grad([result for result, _ in upstream], sources, [gradient for _, gradient in upstream],
-                                        allow_unused=True)  # fmt: skip
-        produced = {name: torch.zeros_like(leaf) if gradient is None else gradient
-                    for (name, leaf), gradient in zip(wanted, gradients)}  # fmt: skip
+        gradients = recorded_gradients(upstream, [leaf for _, leaf in wanted] + (parameters if weights else []))
+        produced = {name: gradient for (name, _), gradient in zip(wanted, gradients)}
         if weights:
             reordered = onnx_parameter_gradients(self.kind, gradients[len(wanted) :], with_bias, folded)
             produced.update({name: reordered[role] for role, name in weights.items()})
         return produced
+
+
+def recorded_gradients(upstream, sources) -> list:
+    """The gradients of ``sources`` (leaves of a recording) from ``upstream``, (recorded result, its incoming gradient)
+    pairs, by torch's autograd; zeros for a source no result depends on."""
+    gradients = torch.autograd.grad([result for result, _ in upstream], sources, [gradient for _, gradient in upstream],
+                                    allow_unused=True)  # fmt: skip
+    return [torch.zeros_like(source) if gradient is None else gradient for source, gradient in zip(sources, gradients)]

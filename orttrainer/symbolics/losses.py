@@ -1,5 +1,6 @@
 """Losses: torch's formulas for their values and gradients, also where the exporter's overflowed or divided by zero
-(binary cross-entropy, cross-entropy with label smoothing and ignored labels, L1/Huber, margin and embedding losses)."""
+(binary cross-entropy, cross-entropy with label smoothing and ignored labels, L1/Huber, margin and embedding losses);
+the CTC loss as one node that torch's kernel runs (torch_ctc.py)."""
 
 import numpy as np
 import onnx
@@ -7,7 +8,8 @@ import torch
 from torch.onnx import symbolic_helper
 from torch.onnx._internal.torchscript_exporter import _type_utils
 
-from .. import rewrites
+from .. import rewrites, torch_ctc
+from ..torch_recurrent import ATEN_DOMAIN
 from ._graph import _constant, _ExportGraph, _module_scope, _numpy_dtype, _reduce
 from .elementwise import _clamp_min, detach
 from .reductions import pairwise_distance
@@ -150,12 +152,18 @@ def soft_margin_loss(g, x, target, reduction):
 
 @symbolic_helper.parse_args("v", "v", "i", "i", "f", "i")
 def poisson_nll_loss(g, x, target, log_input, full, eps, reduction):
-    if full:
-        return symbolic_helper._unimplemented("poisson_nll_loss", "full=True (Stirling term)", x)
+    """torch's exp(x) - t x (``log_input``) or x - t log(x + eps); with ``full`` plus its Stirling term
+    t log(t) - t + log(2 pi t) / 2 where t > 1 (0 elsewhere), in torch's order of operations."""
     if log_input:
         loss = g.op("Sub", g.op("Exp", x), g.op("Mul", target, x))
     else:
         loss = g.op("Sub", x, g.op("Mul", target, g.op("Log", g.op("Add", x, _constant(g, eps)))))
+    if full:
+        build = _ExportGraph(g)
+        entropy = build.op("Sub", [build.op("Mul", [target, build.op("Log", [target])]), target])
+        normalizer = build.op("Mul", [build.const(0.5), build.op("Log", [build.op("Mul", [build.const(2 * np.pi), target])])])
+        stirling = build.op("Add", [entropy, normalizer])
+        loss = build.op("Add", [loss, rewrites.where(build, build.op("LessOrEqual", [target, build.const(1.0)]), 0.0, stirling)])
     return _reduce(g, loss, reduction)
 
 
@@ -350,6 +358,35 @@ def cosine_embedding_loss(g, x1, x2, target, margin, reduction):
     return _reduce(g, build.op("Add", [similar, dissimilar]), reduction)
 
 
+def _lengths(g, lengths):
+    """A CTC loss's input or target lengths as a tensor: as given, or a list of Python numbers (``ctc_loss``'s
+    IntList overload) as a constant, or one of traced sizes as their concatenation."""
+    if symbolic_helper._is_tensor(lengths):
+        return lengths
+    listed = symbolic_helper._maybe_get_const(lengths, "is")
+    if not symbolic_helper._is_value(listed):
+        return g.op("Constant", value_t=torch.tensor(listed, dtype=torch.int64))
+    sizes = [symbolic_helper._unsqueeze_helper(g, size, [0]) for size in symbolic_helper._unpack_list(lengths)]
+    return g.op("Concat", *sizes, axis_i=0)
+
+
+@symbolic_helper.parse_args("v", "v", "v", "v", "i", "i", "b")
+def ctc_loss(g, log_probs, targets, input_lengths, target_lengths, blank, reduction, zero_infinity):
+    """One ATen node (operator ``torch_ctc.CTC_LOSS``) whose inputs are ``torch.ctc_loss``'s arguments, blank,
+    reduction and zero_infinity as constant scalars: torch's kernel computes it (torch_ctc.py). The loss has
+    log_probs' type: a scalar, or with ``reduction`` none one value per sequence (none for unbatched log_probs)."""
+    build = _ExportGraph(g)
+    scalars = [build.const(blank, np.int64), build.const(reduction, np.int64), build.const(zero_infinity, np.bool_)]
+    loss = g.op(f"{ATEN_DOMAIN}::ATen", log_probs, targets, _lengths(g, input_lengths), _lengths(g, target_lengths), *scalars,
+                operator_s=torch_ctc.CTC_LOSS)  # fmt: skip
+    rank = symbolic_helper._get_tensor_rank(log_probs)
+    if reduction == 0 and rank is None:
+        raise ValueError(f"ctc_loss with reduction='none' in module '{_module_scope(g)}': orttrainer exports it for "
+                         "log_probs of a known rank")  # fmt: skip
+    loss.setType(log_probs.type().with_sizes([None] * (rank - 2 if reduction == 0 else 0)))
+    return loss
+
+
 SYMBOLICS = {
     "l1_loss": l1_loss,
     "smooth_l1_loss": smooth_l1_loss,
@@ -366,4 +403,5 @@ SYMBOLICS = {
     "nll_loss": nll_loss,
     "nll_loss2d": nll_loss,
     "nll_loss_nd": nll_loss,
+    "ctc_loss": ctc_loss,
 }
