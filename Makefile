@@ -27,9 +27,9 @@ test-all: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench.py $(BENCH_ARGS)
 
-# which layers train (the README table); fails and prints the new table if README.md's differs
+# which layers train (the table of docs/layers.md); fails and prints the new table if docs/layers.md's differs
 coverage: $(VENV)/.installed
-	$(PY) benchmarks/coverage.py --check README.md
+	$(PY) benchmarks/coverage.py --check docs/layers.md
 
 # the CUDA 11.8 libraries of onnxruntime-training's CUDA provider (a few GB, docs/gpu.md), then the GPU-path checks
 cuda: $(VENV)/.installed

@@ -8,7 +8,7 @@ For every case a small model around the layer is trained for one SGD step:
   ``onnxruntime.training.api`` must run and give a finite loss.
 
     python benchmarks/coverage.py                 # prints the Markdown table
-    python benchmarks/coverage.py --check README.md   # fails if README's table differs
+    python benchmarks/coverage.py --check docs/layers.md   # fails if that page's table differs
 """
 
 import argparse

@@ -6,7 +6,7 @@ dict). ``flatten`` turns any of these into the graph's tensors and an :class:`Ou
 that names them and packs a step's outputs back into the model's own form: the same
 ModelOutput class (``.loss``, ``.logits`` ...) or dict; a tensor or tuple gives the legacy list.
 
-The rules (README "Hugging Face models", docs/legacy_api.md §3): a field that is None is absent (as
+The rules (docs/hugging_face.md, docs/legacy_api.md §3): a field that is None is absent (as
 ModelOutput leaves it out); a tuple of tensors (``hidden_states``, ``attentions``) becomes
 one graph output per tensor, ``<field>.<index>``, and a tuple again; a ModelOutput or dict
 inside the ModelOutput (CLIP's ``text_model_output``) becomes one graph output per tensor,
