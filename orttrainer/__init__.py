@@ -17,7 +17,8 @@ from .export import ExportError
 from .graph import GradientBuildError, RunError
 from .options import ORTTrainerOptions
 from .session import ProviderFallbackError
-from .trainer import ORTTrainer, TrainStepInfo
+from .step_info import TrainStepInfo
+from .trainer import ORTTrainer
 from .verify import TorchMismatchError
 
 __all__ = [
