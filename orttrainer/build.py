@@ -217,13 +217,12 @@ class TorchSource:
         outputs, form = export.sample_outputs(module, loss_fn, self.forward_names, batch, constants)
         outputs = list(outputs)
         desc = self.model_desc or infer_model_desc(input_names, batch, outputs, form)
-        if not compared_only:
-            loss_index = _loss_index(desc, outputs, loss_fn, inferred=self.model_desc is None)
-            export.refuse_custom_backward(module, loss_fn, self.forward_names, batch, loss_index, constants)
+        # given the loss, the trace refuses custom backwards (not again where the graph is only compared with one built)
+        loss_index = None if compared_only else _loss_index(desc, outputs, loss_fn, inferred=self.model_desc is None)
         onnx_model, lookups, frozen_values = export.export_to_onnx(
             module, batch, loss_fn, self.forward_names, [(entry.name, entry.shape) for entry in desc.inputs],
             [(entry.name, entry.shape) for entry in desc.outputs], self.options._internal_use.onnx_opset_version,
-            constants=constants,
+            constants=constants, loss_index=loss_index,
         )  # fmt: skip
         state = {name: tensor.detach() for name, tensor in module.state_dict(keep_vars=True).items()}
         return TorchExport(batch, dict(constants), desc, outputs, state, onnx_model, lookups, frozen_values)
@@ -286,11 +285,8 @@ def _torch_reference(source, exported) -> verify.Reference:
     step = verify.torch_step(source.module, source.loss_fn, source.forward_names, exported.inputs, exported.state,
                              output_names=[entry.name for entry in desc.outputs], loss_name=desc.loss_output.name,
                              trained=list(parameters), constants=exported.constants, projected=projected)  # fmt: skip
-    # digests of the values: the trainer's weight tensors are these very tensors, and a state_dict loaded before
-    # the first step writes into them
-    digests = {name: verify.weight_digest(tensor) for name, tensor in exported.state.items()}
-    batch_digests = [verify.weight_digest(tensor) for tensor in exported.inputs]
-    return verify.Reference(source.module, source.forward_names, exported.constants, step, digests, batch_digests, projected)
+    batch_digests = [verify.tensor_digest(tensor) for tensor in exported.inputs]
+    return verify.Reference(source.module, source.forward_names, exported.constants, step, batch_digests, projected)
 
 
 def _module_tensors(state: dict, names) -> dict:

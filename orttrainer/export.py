@@ -323,19 +323,31 @@ def _custom_functions(output) -> list:
     return found
 
 
-def refuse_custom_backward(module, loss_fn, forward_names, inputs, loss_index: int, constants=None) -> None:
-    """Run forward + loss once with autograd and refuse what carries a hand-written backward.
+def _refuse_custom_backward(loss, hooks: list) -> None:
+    """Refuse what carries a hand-written backward in the traced forward + loss (``loss``, ``hooks``: where forward
+    registered a tensor hook, ``_HookAndFunctionSpy``).
 
     A custom ``torch.autograd.Function`` is exported as its forward ops, so its backward
     (a straight-through estimator, a gradient reversal) would be replaced by the
     gradient of those ops; a hook registered on a tensor inside forward would never run.
     """
-    wrapper = with_loss(module, loss_fn, forward_names, constants)
+    problems = [f"tensor.register_hook at {where}: ONNX Runtime computes the gradients, so the hook would never run"
+                for where in hooks]  # fmt: skip
+    functions = _custom_functions(loss) if isinstance(loss, torch.Tensor) else []
+    problems += [f"custom torch.autograd.Function {name}: its backward would be replaced by the gradient of the ops "
+                 "in its forward" for name in functions]  # fmt: skip
+    if problems:
+        raise ExportError(
+            "cannot train this model the way torch would:\n- " + "\n- ".join(problems) + "\nTrain it with plain torch, "
+            "or express the computation with standard differentiable ops."
+        )
+
+
+@contextlib.contextmanager
+def _one_value_per_channel_explained():
+    """torch's refusal of a BatchNorm over one value per channel, saying why the trainer runs into it."""
     try:
-        with forward_effects.buffers_kept(module), torch.enable_grad(), keeping_no_activations(), _HookAndFunctionSpy() as spy:
-            outputs = wrapper(*inputs)
-        loss = (list(outputs) if isinstance(outputs, (tuple, list)) else [outputs])[loss_index]
-        functions = _custom_functions(loss) if isinstance(loss, torch.Tensor) else []
+        yield
     except ValueError as error:
         if not str(error).startswith("Expected more than 1 value per channel when training"):
             raise
@@ -344,15 +356,6 @@ def refuse_custom_backward(module, loss_fn, forward_names, inputs, loss_index: i
             "mode, where BatchNorm needs more than one value per channel; use batches of two or more (to evaluate a "
             "single sample, use the module itself in eval(), which holds the trained weights)"
         ) from error
-    problems = [f"tensor.register_hook at {where}: ONNX Runtime computes the gradients, so the hook would never run"
-                for where in spy.hooks]  # fmt: skip
-    problems += [f"custom torch.autograd.Function {name}: its backward would be replaced by the gradient of the ops "
-                 "in its forward" for name in functions]  # fmt: skip
-    if problems:
-        raise ExportError(
-            "cannot train this model the way torch would:\n- " + "\n- ".join(problems) + "\nTrain it with plain torch, "
-            "or express the computation with standard differentiable ops."
-        )
 
 
 # ----------------------------------------------------------------- exporter warnings
@@ -756,7 +759,8 @@ def _refuse_state_changes(before: dict, model, loss_fn, unseen_only=False) -> No
         )
 
 
-def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outputs, opset: int, constants=None):
+def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outputs, opset: int, constants=None,
+                   loss_index=None):  # fmt: skip
     """Export ``model`` (+ ``loss_fn``) in the modes it trains in, names and dynamic axes from model_desc.
 
     ``model`` is in the modes it trains in (:func:`as_trained`); ``desc_inputs``/``desc_outputs`` are
@@ -765,18 +769,19 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
     their type and shape, named by their state_dict keys, never initializers: their data
     stays in torch memory, so no model is too large for one protobuf (2 GiB) and none is
     serialized (docs/stack_facts.md). ``constants`` go to forward as they are, so the graph
-    holds what they chose.
+    holds what they chose. With ``loss_index`` (the loss among the outputs), what carries a
+    hand-written backward is refused (``_WeightsAsInputs``).
     Returns the ModelProto, {Gather node: EmbeddingLookup} and the locations where the trace
     froze a value of this batch (see ``_FROZEN_VALUE``).
     """
     wrapper = with_loss(model, loss_fn, forward_names, constants)
     devices = [inputs[0].device.index or 0] if inputs and inputs[0].is_cuda else []
-    states_before, module_state_before = forward_effects.generator_states(), forward_effects.module_state(model, loss_fn)
+    states_before = forward_effects.generator_states()
 
     def export_once():
-        return _traced_export(model, wrapper, inputs, desc_inputs, desc_outputs, opset, devices)
+        return _traced_export(model, wrapper, inputs, desc_inputs, desc_outputs, opset, devices, loss_index)
 
-    serialized, heard = export_once()
+    serialized, heard, module_state_before = _export_from_the_state_of_a_first_call(model, loss_fn, export_once)
     mismatch = _outputs_differing_by_mode(model, wrapper, desc_outputs)
     if mismatch:
         raise mismatch
@@ -791,28 +796,100 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
     return exported, lookups, heard.frozen_values
 
 
-def _traced_export(model, wrapper, inputs, desc_inputs, desc_outputs, opset, devices):
-    """One ``torch.onnx.export`` of ``wrapper`` (orttrainer's symbolics registered, exporter warnings heard): the
-    serialized model and the ``_ExporterWarnings`` that heard it."""
+def _export_from_the_state_of_a_first_call(model, loss_fn, export_once):
+    """``export_once()`` (serialized, heard) and the module's state it started from (``forward_effects.module_state``).
+
+    A forward may set state at its first call in training mode and keep it (a cache filled, a flag set): the graph
+    is traced from that state, as a forward run before the trace left it (buffers put back, as ``as_trained``
+    does). So an export that changed the module's state, failing or not, is done again from the state it left, and
+    the second export must change nothing (``_refuse_state_changes``)."""
+    before = forward_effects.module_state(model, loss_fn)
+    with forward_effects.buffers_kept(model):
+        try:
+            serialized, heard = export_once()
+            failed = None
+        except ExportError as error:
+            failed = error
+        changed = forward_effects.state_changes(before, model, loss_fn, unseen_only=False)
+    if not changed and failed is not None:
+        raise failed
+    if not changed:
+        return serialized, heard, before
+    before = forward_effects.module_state(model, loss_fn)
+    return (*export_once(), before)
+
+
+class _WeightsAsInputs(torch.nn.Module):
+    """``wrapper`` (a ``_ModelWithLoss``) traced with its weights and buffers (each tensor once, under its first
+    state_dict name: tied weights are one input) as inputs of the trace, after the batch's ``count`` inputs.
+
+    The module's own tensors are passed, so forward reads them as it always does and the tracer, which knows each
+    tensor it was given, records every use as a use of that input. Not a parameter of the traced module: the
+    TorchScript exporter gives a traced module's parameters by value to its ONNX shape inference, whose time then
+    grows with the weights (GPT-2 small: 3 s of its 6 s; docs/stack_facts.md); inputs it leaves alone. Each input is named as the
+    exporter names a parameter (the state_dict key), which its warnings quote (``_MUTATION``).
+
+    With a ``loss_index``, what carries a hand-written backward is refused as soon as forward + loss have run
+    (``_refuse_custom_backward``), before the exporter converts or complains: the trace is the forward that shows it.
+    """
+
+    def __init__(self, wrapper, count: int, loss_index=None):
+        super().__init__()
+        vars(self)["wrapper"] = wrapper  # not a submodule: its tensors would be the traced module's parameters
+        self.count, self.loss_index = count, loss_index
+        self.spy = _HookAndFunctionSpy()  # entered around the export, beneath _ValuesTurnedPython (which names lines)
+        self.weights, seen = {}, set()
+        for name, tensor in wrapper.state_dict(keep_vars=True).items():
+            if isinstance(tensor, torch.Tensor) and id(tensor) not in seen:
+                self.weights[name] = tensor
+                seen.add(id(tensor))
+
+    def forward(self, *inputs):
+        for name, tensor in zip(self.weights, inputs[self.count :]):
+            torch._C._get_value_trace(tensor).setDebugName(name)
+        scopes, scope_of = torch.jit._trace._trace_module_map, torch._C._jit_onnx_create_full_scope_name
+        if scopes is not None:
+            scopes.update({layer: scope_of(torch.typename(type(layer)), _scope_name(name))
+                           for name, layer in self.wrapper.named_modules() if layer is not self.wrapper})
+        with _one_value_per_channel_explained():
+            outputs = self.wrapper(*inputs[: self.count])
+        if self.loss_index is not None:
+            _refuse_custom_backward(outputs[self.loss_index], self.spy.hooks)
+        return outputs
+
+
+def _scope_name(path: str) -> str:
+    """A submodule's name in the exporter's node names, as it names the submodules of the module it traces: the
+    path from its last atom that is not a number (``model.h.0`` -> ``h.0``)."""
+    atoms = path.split(".")
+    last = max((index for index, atom in enumerate(atoms) if not atom.isnumeric()), default=0)
+    return ".".join(atoms[last:])
+
+
+def _traced_export(model, wrapper, inputs, desc_inputs, desc_outputs, opset, devices, loss_index=None):
+    """One ``torch.onnx.export`` of ``wrapper`` (orttrainer's symbolics registered, exporter warnings heard; with
+    ``loss_index``, custom backwards refused: ``_WeightsAsInputs``): the serialized model and the
+    ``_ExporterWarnings`` that heard it."""
     buffer = io.BytesIO()
     try:
         values = _ValuesTurnedPython()
         inputs_by_name = {name: tensor for (name, _), tensor in zip(desc_inputs, inputs)}
         state = {WRAPPED + name: tensor for name, tensor in model.state_dict().items()}
         # autograd on whatever the caller's mode (an eval_step under torch.no_grad() builds a graph that trains)
+        traced = _WeightsAsInputs(wrapper, len(inputs), loss_index)
         with torch.random.fork_rng(devices=devices), symbolics.exporting(), torch.enable_grad(), \
-                keeping_no_activations(), _ExporterWarnings(values, inputs_by_name, state) as heard, \
+                keeping_no_activations(), _ExporterWarnings(values, inputs_by_name, state) as heard, traced.spy, \
                 _functions_as_their_forward(), _NoGradResultsDetached(), values:
             torch.onnx.export(
-                wrapper,
-                tuple(inputs),
+                traced,
+                (*inputs, *traced.weights.values()),
                 buffer,
                 dynamo=False,
                 training=TrainingMode.PRESERVE,
                 do_constant_folding=False,
                 export_params=False,  # the weights are graph inputs: export_to_onnx
                 opset_version=opset,
-                input_names=[name for name, _ in desc_inputs],
+                input_names=[name for name, _ in desc_inputs] + list(traced.weights),
                 output_names=[name for name, _ in desc_outputs],
                 dynamic_axes=_dynamic_axes(list(desc_inputs) + list(desc_outputs)),
             )

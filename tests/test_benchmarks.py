@@ -77,3 +77,14 @@ def test_every_zoo_workload_takes_its_benchmark_batch():
     for workload in zoo_workloads():
         loss = _loss(workload.make_model(), workload, workload.make_batch(torch.Generator().manual_seed(0)))
         assert torch.isfinite(loss), workload.name
+
+
+@pytest.mark.slow
+def test_first_step_times_both_contenders_and_the_phases_of_orttrainer():
+    command = [sys.executable, "benchmarks/first_step.py", "--row", "mlp-tiny", "--rounds", "1"]
+    result = subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("    exported Sequential") for line in lines), result.stdout
+    rows = [line for line in lines if line.startswith("| torch eager") or line.startswith("| orttrainer")]
+    assert len(rows) == 2 and not any("fails" in row for row in rows), result.stdout

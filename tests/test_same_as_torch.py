@@ -775,6 +775,27 @@ def test_forward_that_changes_its_own_state_is_refused_naming_what_changed(chang
         trainer.train_step(torch.randn(3, 4), torch.randn(3, 4))
 
 
+class TableFilledAtTheFirstCall(nn.Module):
+    """Fills a table at its first forward in training mode and keeps it, as older rotary embeddings filled their
+    cos/sin caches: state set once, which a torch loop keeps as well."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.filled, self.table = nn.Linear(4, 4), False, torch.ones(4)
+
+    def forward(self, x):
+        if self.training and not self.filled:
+            self.filled, self.table = True, torch.linspace(0.5, 1.5, 4)
+        return self.fc(x) * (self.table if self.training else 1.0)
+
+
+def test_forward_that_sets_its_state_at_the_first_call_only_trains_like_torch():
+    """The trace's forward is the module's first in training mode: the graph is traced again from the state it left
+    (export._export_from_the_state_of_a_first_call), not refused as a change of state."""
+    torch.manual_seed(0)
+    run_parity(TableFilledAtTheFirstCall(), _random_pairs(4, 4), optim.SGDConfig(lr=0.1), sgd, loss_fn=F.mse_loss)
+
+
 class GrowingLoss:
     """A loss whose weight grows with its calls (a warm-up kept in the loss object)."""
 
@@ -1351,6 +1372,18 @@ class StraightThroughRound(torch.autograd.Function):
         return grad
 
 
+class ScaledByItsLargest(torch.autograd.Function):
+    """A custom backward whose forward also reads a value of the batch into Python, which the exporter complains of."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x / float(x.abs().max())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 class WithFunction(nn.Module):
     def __init__(self, function):
         super().__init__()
@@ -1361,8 +1394,9 @@ class WithFunction(nn.Module):
         return self.function.apply(self.fc(x))
 
 
-@pytest.mark.parametrize("function", [ReverseGradient, StraightThroughRound])
+@pytest.mark.parametrize("function", [ReverseGradient, StraightThroughRound, ScaledByItsLargest])
 def test_custom_autograd_function_is_refused_naming_the_function(function):
+    """Refused as soon as the trace's forward has run: before anything the exporter says of the ops inside."""
     trainer = ORTTrainer(WithFunction(function), None, optim.SGDConfig(lr=0.1), loss_fn=F.mse_loss, options=cpu_options())
     with pytest.raises(ExportError, match=rf"custom torch.autograd.Function {__name__}.{function.__name__}: its backward"):
         trainer.train_step(torch.randn(3, 4), torch.randn(3, 4))

@@ -84,9 +84,29 @@ def test_the_trainer_check_catches_a_gradient_one_percent_off(monkeypatch, evalu
         trainer.train_step(*mlp_batch(generator=generator))
 
 
+def test_the_trainer_check_catches_a_gradient_one_percent_off_after_the_weights_were_written(monkeypatch):
+    """torch's step taken at the build (here by an eval_step) is on the weights of then: every run on written weights
+    differs from it, and the rounding excuse measured against it would excuse anything. The check takes torch's step
+    again on the weights as they are, also after a write no version counter sees (through ``.data``)."""
+    from orttrainer import cpu_kernels
+
+    monkeypatch.setitem(cpu_kernels.FAST_CPU_KERNELS, "ReluGrad", gradient_one_percent_off)
+    torch.manual_seed(0)
+    model = MLP()
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy,
+                         options=ORTTrainerOptions({"device": {"id": "cpu"}}))  # fmt: skip
+    batch = mlp_batch(generator=torch.Generator().manual_seed(1))
+    trainer.eval_step(*batch)
+    for parameter in model.parameters():
+        parameter.data.mul_(1.5)
+    with pytest.raises(TorchMismatchError, match=r"gradient of 'fc1.weight'"):
+        trainer.train_step(*batch)
+
+
 def test_check_compares_with_the_weights_loaded_before_the_first_step():
     """torch's side of the check is taken at the build; weights loaded after it (before the first step) are
-    the ones both sides must use, so the check takes torch's step again on them (verify.Reference.step_on)."""
+    the ones both sides must use, so the check, which finds the step taken at the build differing, takes torch's
+    step again on them (verify.check) and passes."""
     torch.manual_seed(0)
     trainer = ORTTrainer(MLP(), None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy,
                          options=ORTTrainerOptions({"device": {"id": "cpu"}}))  # fmt: skip
