@@ -24,7 +24,7 @@ import onnxruntime
 import torch
 from onnx import numpy_helper
 
-from . import cpu_kernels, defined_gradients, export, graph, progress, rewrites, session, torch_convolutions, verify
+from . import cpu_kernels, defined_gradients, export, graph, progress, recompute, rewrites, session, torch_convolutions, verify
 from .model_desc import _ORTTrainerModelDesc, forward_keywords, forward_parameters, infer_model_desc
 
 
@@ -219,11 +219,13 @@ class TorchSource:
         desc = self.model_desc or infer_model_desc(input_names, batch, outputs, form)
         # given the loss, the trace refuses custom backwards (not again where the graph is only compared with one built)
         loss_index = None if compared_only else _loss_index(desc, outputs, loss_fn, inferred=self.model_desc is None)
-        onnx_model, lookups, frozen_values = export.export_to_onnx(
-            module, batch, loss_fn, self.forward_names, [(entry.name, entry.shape) for entry in desc.inputs],
-            [(entry.name, entry.shape) for entry in desc.outputs], self.options._internal_use.onnx_opset_version,
-            constants=constants, loss_index=loss_index,
-        )  # fmt: skip
+        with recompute.checkpointed_modules(module) as checkpointed:  # carried to the build in the graph's metadata
+            onnx_model, lookups, frozen_values = export.export_to_onnx(
+                module, batch, loss_fn, self.forward_names, [(entry.name, entry.shape) for entry in desc.inputs],
+                [(entry.name, entry.shape) for entry in desc.outputs], self.options._internal_use.onnx_opset_version,
+                constants=constants, loss_index=loss_index,
+            )  # fmt: skip
+        recompute.mark_checkpointed(onnx_model, checkpointed)
         state = {name: tensor.detach() for name, tensor in module.state_dict(keep_vars=True).items()}
         return TorchExport(batch, dict(constants), desc, outputs, state, onnx_model, lookups, frozen_values)
 
@@ -479,6 +481,8 @@ def _build(onnx_model, model_desc, weights, trainable, options, device, provider
             mixed_precision, on_cpu=device.type == "cpu", lookups=lookups, facts=facts, keep_for_torch=keep_for_torch,
             recurrent_on_torch=_splits_for_torch(options, device),
         )  # fmt: skip
+        recompute.apply(graphs.train, options.graph_transformer, recompute.checkpointed(onnx_model),
+                        [entry.name for entry in model_desc.inputs])  # fmt: skip
     _save_debug_graphs(graphs, options.debug.graph_save_paths)
     with progress.phase(f"opened the ONNX Runtime sessions on {device}"):
         sessions = _open_sessions(graphs, device, providers, options, one_thread, convolutions)

@@ -149,7 +149,6 @@ IGNORED_OPTIONS = {
     "distributed.pipeline_parallel.sliced_schema": "pipeline parallelism is not implemented",
     "distributed.pipeline_parallel.sliced_axes": "pipeline parallelism is not implemented",
     "distributed.pipeline_parallel.sliced_tensor_names": "pipeline parallelism is not implemented",
-    "graph_transformer.number_recompute_layers": "the recompute transformers are not implemented",
     "graph_transformer.propagate_cast_ops_config.strategy": "mixed precision places its own casts",
     "graph_transformer.propagate_cast_ops_config.level": "mixed precision places its own casts",
     "graph_transformer.propagate_cast_ops_config.allow": "mixed precision places its own casts",
@@ -303,9 +302,6 @@ def check_implemented(options) -> None:
         "distributed.horizontal_parallel_size": options.distributed.horizontal_parallel_size > 1,
         "distributed.pipeline_parallel.pipeline_parallel_size": options.distributed.pipeline_parallel.pipeline_parallel_size > 1,
         "distributed.enable_adasum": options.distributed.enable_adasum,
-        "graph_transformer.attn_dropout_recompute": options.graph_transformer.attn_dropout_recompute,
-        "graph_transformer.gelu_recompute": options.graph_transformer.gelu_recompute,
-        "graph_transformer.transformer_layer_recompute": options.graph_transformer.transformer_layer_recompute,
     }
     used = [key for key, is_set in unsupported.items() if is_set]
     if used:

@@ -147,6 +147,10 @@ _BREAKS_CUBIC_RESIZE = ["TransposeOptimizer_CPUExecutionProvider"]
 # cdist's matrix-product form (docs/stack_facts.md).
 _BREAKS_FLOAT16_GEMMS = ["GemmTransposeFusion"]
 _SPINNING_ENTRIES = ("session.intra_op.allow_spinning", "session.inter_op.allow_spinning")
+# Metadata of a graph whose nodes must run in the order they are listed (recompute.py places recomputed nodes just
+# before their first reader): ONNX Runtime's default order runs every weight's gradient at the very end of the run,
+# holding the recomputed activations it reads until then (benchmarks/NOTES.md, "Recompute").
+IN_LISTED_ORDER = "orttrainer.run_in_listed_order"
 
 
 def disabled_optimizers(model: onnx.ModelProto) -> list:
@@ -200,6 +204,19 @@ def options_for_one_session(user=None, deterministic=False, optimized_model_path
     finally:
         for name, value in saved.items():
             setattr(user, name, value)
+
+
+@contextlib.contextmanager
+def _in_listed_order(options: onnxruntime.SessionOptions, listed: bool):
+    """``options`` running the nodes in the order they are listed, while the session is created, if ``listed``.
+    ONNX Runtime's PRIORITY_BASED order takes, of the nodes ready to run, the one listed first."""
+    chosen = options.execution_order
+    if listed:
+        options.execution_order = onnxruntime.ExecutionOrder.PRIORITY_BASED
+    try:
+        yield
+    finally:
+        options.execution_order = chosen
 
 
 def _config_entry(options: onnxruntime.SessionOptions, key: str):
@@ -302,10 +319,11 @@ class TorchBoundSession:
             providers = with_compute_stream(providers, self._stream.cuda_stream)
         names = [name for name, _ in providers]
         provider_options = [opts for _, opts in providers]
-        self.session = onnxruntime.InferenceSession(
-            model.SerializeToString(), sess_options=options, providers=names, provider_options=provider_options,
-            disabled_optimizers=disabled_optimizers(model),
-        )
+        with _in_listed_order(options, any(prop.key == IN_LISTED_ORDER for prop in model.metadata_props)):
+            self.session = onnxruntime.InferenceSession(
+                model.SerializeToString(), sess_options=options, providers=names, provider_options=provider_options,
+                disabled_optimizers=disabled_optimizers(model),
+            )
         check_provider_in_use(providers, self.session.get_providers(), device)
         self._run_options = run_options()
         self.input_names = {graph_input.name for graph_input in self.session.get_inputs()}

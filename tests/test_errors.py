@@ -50,8 +50,8 @@ def test_trainer_constructor_checks(arguments, error, message):
 
 
 def test_unimplemented_options_say_how_to_turn_them_off():
-    options = ORTTrainerOptions({"device": {"id": "cpu"}, "graph_transformer": {"gelu_recompute": True}})
-    with pytest.raises(NotImplementedError, match=r"not implement these options yet: graph_transformer.gelu_recompute\. Remove them"):
+    options = ORTTrainerOptions({"device": {"id": "cpu"}, "distributed": {"enable_adasum": True}})
+    with pytest.raises(NotImplementedError, match=r"not implement these options yet: distributed.enable_adasum\. Remove them"):
         ORTTrainer(torch.nn.Linear(4, 2), None, optim.SGDConfig(), loss_fn=F.mse_loss, options=options)
 
 

@@ -97,7 +97,6 @@ def test_defaults_and_used_options_do_not_warn():
     ("utils.memory_efficient_gradient", True),
     ("_internal_use.enable_internal_postprocess", False),
     ("_internal_use.enable_onnx_contrib_ops", False),
-    ("graph_transformer.number_recompute_layers", 2),
     ("graph_transformer.propagate_cast_ops_config.strategy", PropagateCastOpsStrategy.INSERT_AND_REDUCE),
     ("graph_transformer.propagate_cast_ops_config.allow", ["Gelu"]),
     ("distributed.allreduce_post_accumulation", True),
