@@ -224,7 +224,7 @@ def gemm_ceiling_gflops(size=1024, trials=7, repeats=5):
     """The best rate of a square float32 GEMM, (torch's, ONNX Runtime's), over a few trials after a warm-up."""
     from onnx import TensorProto, helper
 
-    from orttrainer.session import TorchBoundSession, session_options
+    from orttrainer.runtime.session import TorchBoundSession, session_options
 
     a, b, c = torch.randn(size, size), torch.randn(size, size), torch.empty(size, size)
     square = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [size, size]) for name in "abc"]

@@ -17,7 +17,7 @@ import onnxruntime
 import torch
 from onnx import TensorProto, helper
 
-from orttrainer.session import session_options
+from orttrainer.runtime.session import session_options
 
 SHAPE = [32, 64, 8, 8]
 

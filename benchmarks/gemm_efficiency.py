@@ -24,7 +24,7 @@ from onnx import helper
 from op_profile import profiled_kernels
 from workloads import workload_named
 
-from orttrainer.session import session_options
+from orttrainer.runtime.session import session_options
 
 GEMM_OPS = ("Gemm", "MatMul", "FusedMatMul", "FusedGemm")
 

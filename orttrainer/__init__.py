@@ -9,17 +9,18 @@ except ImportError as error:  # the plain onnxruntime package replaced onnxrunti
         "onnxruntime-training && pip install onnxruntime-training==1.19.2"
     ) from error
 
-from . import amp, checkpoint, optim
-from .checkpoint import CheckpointError
-from .cuda_libraries import GPULibraryError
-from .distributed import RankWriteError
-from .export import ExportError
-from .graph import GradientBuildError, RunError
-from .options import ORTTrainerOptions
-from .session import ProviderFallbackError
-from .step_info import TrainStepInfo
+from .update import amp, checkpoint
+from . import optim
+from .update.checkpoint import CheckpointError
+from .runtime.cuda_libraries import GPULibraryError
+from .update.distributed import RankWriteError
+from .export.export import ExportError
+from .graph.graph import GradientBuildError, RunError
+from .api.options import ORTTrainerOptions
+from .runtime.session import ProviderFallbackError
+from .update.step_info import TrainStepInfo
 from .trainer import ORTTrainer
-from .verify import TorchMismatchError
+from .export.verify import TorchMismatchError
 
 __all__ = [
     "ORTTrainer",

@@ -15,7 +15,7 @@ Needs ``pip install 'orttrainer[hf]'`` (transformers and accelerate); the core p
 import torch
 import transformers
 
-from . import options as _options
+from .api import options as _options
 from .trainer import ORTTrainer
 from .optim.config import SGDConfig
 

@@ -19,16 +19,20 @@ import warnings
 import onnxruntime
 import torch
 
-from . import amp, build, distributed, graph, graph_cache, onnx_file, progress, session, verify
-from .gradients import Gradients
-from .model_desc import _ORTTrainerModelDesc, match_inputs
-from .model_outputs import as_list
-from .module_edits import changed_values, module_as_built
+from .update import amp, distributed
+from .runtime import build, graph_cache, session
+from .graph import graph, onnx_file
+from . import progress
+from .export import verify
+from .update.gradients import Gradients
+from .api.model_desc import _ORTTrainerModelDesc, match_inputs
+from .api.model_outputs import as_list
+from .export.module_edits import changed_values, module_as_built
 from .optim import _update
-from .step_info import TrainStepInfo
-from .trainer_arguments import check_trainer_arguments
-from .options import ORTTrainerOptions, check_implemented, own_copy, settings_read_once
-from .state import TrainerState, check_against_module, read_checkpoint, write_checkpoint
+from .update.step_info import TrainStepInfo
+from .api.trainer_arguments import check_trainer_arguments
+from .api.options import ORTTrainerOptions, check_implemented, own_copy, settings_read_once
+from .update.state import TrainerState, check_against_module, read_checkpoint, write_checkpoint
 
 
 def _attribute_of(owner: str, name: str):

@@ -23,7 +23,9 @@ import onnxruntime
 import torch
 from onnx import helper, numpy_helper
 
-from orttrainer import ORTTrainer, ORTTrainerOptions, export, graph, optim, symbolics
+from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+from orttrainer.export import export, symbolics
+from orttrainer.graph import graph
 
 FLOAT32 = np.finfo(np.float32)
 LOSS = "loss"

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from boundary import (FLOAT32, FLOOR, KINKS, ULPS, check_against_torch, check_trainer_against_torch, edge_values, exported_model,
                       op_types, run_training_graph, single_op_model, spread, torch_reference, upstream_like)  # fmt: skip
 
-from orttrainer import graph, rewrites
+from orttrainer.graph import graph, rewrites
 
 
 # op: (attributes, torch function, inputs beyond edge_values())

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper
 from parity import cpu_options
 
-from orttrainer import GradientBuildError, ORTTrainer, graph, optim
+from orttrainer import GradientBuildError, ORTTrainer, optim
+from orttrainer.graph import graph
 
 
 class Operands(nn.Module):

@@ -18,7 +18,7 @@ from models import CNN, MLP, cnn_batch, mlp_batch
 from parity import cpu_options
 
 from orttrainer import ORTTrainer, checkpoint, optim
-from orttrainer.checkpoint import CheckpointError
+from orttrainer.update.checkpoint import CheckpointError
 
 HERE = Path(__file__).parent
 
@@ -348,7 +348,7 @@ def test_merging_rank_states_keeps_what_one_process_saves_and_checks_agreement(t
 
 def test_a_mid_window_checkpoint_is_refused_on_several_ranks_and_changes_nothing():
     """Each rank would add the whole partial gradient sum, doubling it after the all-reduce."""
-    from orttrainer.distributed import World
+    from orttrainer.update.distributed import World
 
     torch.manual_seed(0)
     options = cpu_options({"batch": {"gradient_accumulation_steps": 2}})

@@ -20,7 +20,7 @@ from models import SEQ, VOCAB, Encoder, TokenTagger, lm_loss
 from parity import cpu_options, run_parity
 
 from orttrainer import ORTTrainer, optim
-from orttrainer.cpu_kernels import WIDE_LAYER_NORM, use_fast_cpu_kernels
+from orttrainer.graph.cpu_kernels import WIDE_LAYER_NORM, use_fast_cpu_kernels
 
 MS = "com.microsoft"
 

@@ -1,4 +1,4 @@
-"""The CTC loss (``F.ctc_loss``) on torch's kernel inside the training graph (orttrainer/torch_ctc.py).
+"""The CTC loss (``F.ctc_loss``) on torch's kernel inside the training graph (orttrainer/runtime/torch_ctc.py).
 
 The exporter refuses aten::ctc_loss; orttrainer writes it as one ATen node that torch runs recorded, and its
 gradient as a placeholder that torch's autograd runs. Models train like a plain torch loop (loss and every
@@ -19,9 +19,11 @@ import torch.nn.functional as F
 from parity import (assert_state_within_float32_error, assert_within_float32_error, cpu_options, float64_batch,
                     run_parity)  # fmt: skip
 
-from orttrainer import ORTTrainer, graph, optim, torch_ctc
-from orttrainer.graph import GradientBuildError
-from orttrainer.torch_convolutions import SplitSession
+from orttrainer import ORTTrainer, optim
+from orttrainer.graph import graph
+from orttrainer.runtime import torch_ctc
+from orttrainer.graph.graph import GradientBuildError
+from orttrainer.runtime.torch_convolutions import SplitSession
 
 CLASSES, FEATURES, BATCH = 6, 4, 3
 LR = 0.2

@@ -1,4 +1,4 @@
-"""Ops trained through a gradient definition given to ONNX Runtime (orttrainer/defined_gradients.py).
+"""Ops trained through a gradient definition given to ONNX Runtime (orttrainer/graph/defined_gradients.py).
 
 Values and gradients at the kinks, ±inf and ties are checked against float64 torch in
 test_boundary_values.py; parity of a MobileNet-style net in test_zoo.py. Here: the forward
@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from onnx import helper
 from parity import cpu_options
 
-from orttrainer import ORTTrainer, amp, defined_gradients, optim
+from orttrainer import ORTTrainer, amp, optim
+from orttrainer.graph import defined_gradients
 
 
 ACTIVATIONS = {"hardswish": F.hardswish, "hardsigmoid": F.hardsigmoid}

@@ -11,7 +11,7 @@ import pytest
 from conftest import subprocess_env
 
 from orttrainer import ORTTrainerOptions
-from orttrainer.distributed import owners, world_from
+from orttrainer.update.distributed import owners, world_from
 
 HERE = Path(__file__).parent
 ENV = subprocess_env(HERE)
@@ -76,16 +76,16 @@ def test_a_failed_save_ends_every_rank_promptly_with_its_cause(tmp_path, case):
     """Every rank raises the same cause within seconds, none waits for the collective timeout."""
     if case == "inside_window":  # each rank refuses on its own, before anything is written
         path, flags = tmp_path / "ckpt.h5", ["--accumulation", 2, "--steps", 2, "--save-at", 1]
-        causes = [f"orttrainer.checkpoint.CheckpointError: cannot save checkpoint {path}: step 1 of rank {rank} (of 2) is inside a "
+        causes = [f"orttrainer.update.checkpoint.CheckpointError: cannot save checkpoint {path}: step 1 of rank {rank} (of 2) is inside a "
                   "gradient-accumulation window" for rank in (0, 1)]  # fmt: skip
     elif case == "bad_directory":  # rank 0 writes the merged checkpoint
         path, flags = tmp_path / "missing" / "ckpt.h5", ["--zero", "--consolidate", "--steps", 1, "--save-at", 1]
-        causes = [f"orttrainer.distributed.RankWriteError: saving checkpoint {path} at step 1 failed on rank 0: FileNotFoundError: "
+        causes = [f"orttrainer.update.distributed.RankWriteError: saving checkpoint {path} at step 1 failed on rank 0: FileNotFoundError: "
                   "[Errno 2] No such file or directory"] * 2  # fmt: skip
     else:  # every rank writes its own file: rank 0 succeeds, rank 1 cannot
         path, flags = tmp_path / "ckpt.{rank}.h5", ["--zero", "--steps", 1, "--save-at", 1]
         (tmp_path / "ckpt.1.h5").write_text("an older file")
-        causes = [f"orttrainer.distributed.RankWriteError: saving checkpoint {path} at step 1 failed on rank 1: FileExistsError: "
+        causes = [f"orttrainer.update.distributed.RankWriteError: saving checkpoint {path} at step 1 failed on rank 1: FileExistsError: "
                   f"{tmp_path / 'ckpt.1.h5'} exists; pass overwrite=True"] * 2  # fmt: skip
     start = time.monotonic()
     result = run(*flags, "--checkpoint", path, "--out", tmp_path / "x.npz", ranks=2, check=False, timeout=240)
@@ -116,8 +116,8 @@ def test_a_checkpoint_only_some_ranks_can_load_ends_every_rank_promptly_before_a
     assert result.returncode != 0
     for rank in (0, 1):
         where = saved if rank == 0 else on_rank_1
-        assert f"[rank{rank}]: orttrainer.checkpoint.CheckpointError: loading checkpoint {where}" in result.stderr, result.stderr[-4000:]
-        assert cause in result.stderr.split(f"[rank{rank}]: orttrainer.checkpoint.CheckpointError")[1].split("\n")[0]
+        assert f"[rank{rank}]: orttrainer.update.checkpoint.CheckpointError: loading checkpoint {where}" in result.stderr, result.stderr[-4000:]
+        assert cause in result.stderr.split(f"[rank{rank}]: orttrainer.update.checkpoint.CheckpointError")[1].split("\n")[0]
     assert time.monotonic() - start < 60
     assert not (tmp_path / "x.npz").exists()
 

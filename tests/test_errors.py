@@ -74,7 +74,11 @@ def test_train_step_info_checks(arguments, error, message):
 
 
 def test_error_types_users_catch_are_exported():
-    from orttrainer import checkpoint, cuda_libraries, distributed, export, graph, session, verify
+    from orttrainer import checkpoint
+    from orttrainer.runtime import cuda_libraries, session
+    from orttrainer.update import distributed
+    from orttrainer.export import export, verify
+    from orttrainer.graph import graph
 
     assert orttrainer.CheckpointError is checkpoint.CheckpointError
     assert orttrainer.ExportError is export.ExportError

@@ -16,9 +16,11 @@ from onnx import TensorProto, helper
 from onnxruntime.capi._pybind_state import OrtDevice
 
 from models import MLP
-from orttrainer import ORTTrainer, ORTTrainerOptions, amp, cuda_libraries, distributed, optim, session
-from orttrainer.cuda_libraries import CUDA_PROVIDER, GPULibraryError
-from orttrainer.session import ProviderFallbackError, TorchBoundSession, device_providers
+from orttrainer import ORTTrainer, ORTTrainerOptions, amp, optim
+from orttrainer.runtime import cuda_libraries, session
+from orttrainer.update import distributed
+from orttrainer.runtime.cuda_libraries import CUDA_PROVIDER, GPULibraryError
+from orttrainer.runtime.session import ProviderFallbackError, TorchBoundSession, device_providers
 
 ROOT = Path(__file__).parent.parent
 CUDA_AND_CPU = ["CUDAExecutionProvider", "CPUExecutionProvider"]

@@ -452,7 +452,7 @@ def test_outputs_that_change_with_the_mode_are_refused(model, extra):
 def test_first_step_check_turns_off_the_dropout_of_scaled_dot_product_attention(by_keyword):
     """Hugging Face attention (sdpa, the default) calls F.scaled_dot_product_attention, a builtin without
     a signature to bind; the check against torch runs it with dropout_p 0, given by position or keyword."""
-    from orttrainer.verify import _NoDropout
+    from orttrainer.export.verify import _NoDropout
 
     query, key, value = torch.randn(3, 2, 2, 5, 4).unbind(0)
     expected = F.scaled_dot_product_attention(query, key, value, None, 0.0)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from parity import cpu_options, run_parity
 
 from orttrainer import ExportError, ORTTrainer, optim
-from orttrainer.verify import TorchMismatchError
+from orttrainer.export.verify import TorchMismatchError
 
 ROOT = Path(__file__).parent.parent
 CLASSES, BATCH, LR = 6, 4, 0.3

@@ -8,7 +8,7 @@ from parity import cpu_options, run_parity
 from zoo import BagOfWordsClassifier
 
 from orttrainer import ORTTrainer, optim
-from orttrainer.model_desc import _ORTTrainerModelDesc, match_inputs
+from orttrainer.api.model_desc import _ORTTrainerModelDesc, match_inputs
 
 
 def test_legacy_form_is_normalised():

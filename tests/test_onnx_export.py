@@ -63,7 +63,7 @@ def test_check_model_export_passes_for_a_faithful_export():
 
 
 def test_check_model_export_catches_a_diverging_export(monkeypatch):
-    from orttrainer import export
+    from orttrainer.export import export
 
     original = export.sample_outputs
 
@@ -113,7 +113,7 @@ def test_the_users_module_is_trained_in_place_as_a_torch_loop_trains_it():
 def test_save_as_onnx_writes_external_data_that_plain_onnx_runtime_opens(tmp_path, monkeypatch, external_data, limit):
     """A model past protobuf's 2 GiB (here: the limit lowered) is written as the graph and '<path>.data' beside it,
     tensor by tensor; a plain InferenceSession and onnx.load read it, the outputs those of torch's eval."""
-    from orttrainer import onnx_file
+    from orttrainer.graph import onnx_file
 
     if limit is not None:
         monkeypatch.setattr(onnx_file, "PROTOBUF_LIMIT", limit)
@@ -139,7 +139,7 @@ def test_save_as_onnx_writes_external_data_that_plain_onnx_runtime_opens(tmp_pat
 
 
 def test_save_as_onnx_refuses_one_file_past_the_limit_and_a_file_object_for_external_data(tmp_path, monkeypatch):
-    from orttrainer import onnx_file
+    from orttrainer.graph import onnx_file
 
     torch.manual_seed(0)
     trainer = trained(MLP(), F.cross_entropy, mlp_batch(), steps=1)

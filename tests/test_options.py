@@ -12,7 +12,7 @@ from models import MLP, mlp_batch
 from onnxruntime.training import PropagateCastOpsStrategy
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, amp, optim
-from orttrainer.options import IGNORED_OPTIONS, ignored_options
+from orttrainer.api.options import IGNORED_OPTIONS, ignored_options
 
 
 def test_defaults_fill_every_group():

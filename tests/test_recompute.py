@@ -1,4 +1,4 @@
-"""Recompute (orttrainer/recompute.py): the legacy graph_transformer switches and activation-checkpointed modules
+"""Recompute (orttrainer/graph/recompute.py): the legacy graph_transformer switches and activation-checkpointed modules
 train as without recompute (against a torch loop, and bit for bit against orttrainer without it, dropout on),
 their training graphs compute the chosen activations again, and the step's peak memory is smaller.
 

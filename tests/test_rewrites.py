@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper, numpy_helper
 from parity import cpu_options, run_parity
 
-from orttrainer import GradientBuildError, ORTTrainer, optim, rewrites
+from orttrainer import GradientBuildError, ORTTrainer, optim
+from orttrainer.graph import rewrites
 
 
 class Around(nn.Module):
@@ -467,7 +468,7 @@ def test_exporting_registers_orttrainers_symbolics_for_one_export_only():
     ops torch cannot export fail as they did, and torch's own symbolics apply again."""
     from torch.onnx.errors import UnsupportedOperatorError
 
-    from orttrainer import symbolics
+    from orttrainer.export import symbolics
 
     x = torch.randn(3, 4)
     l1 = lambda h: F.l1_loss(h, torch.zeros_like(h))  # noqa: E731

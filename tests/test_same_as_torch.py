@@ -22,9 +22,11 @@ import torch.nn.functional as F
 from models import CNN, MLP, VOCAB, Encoder, NoGradTarget, StraightThrough, cnn_batch, mlp_batch, token_batch
 from parity import assert_close_state, assert_within_float32_error, cpu_options, run_parity, step_both
 
-from orttrainer import GradientBuildError, ORTTrainer, ORTTrainerOptions, amp, build, export, optim
-from orttrainer.export import ExportError
-from orttrainer.verify import TorchMismatchError
+from orttrainer import GradientBuildError, ORTTrainer, ORTTrainerOptions, amp, optim
+from orttrainer.runtime import build
+from orttrainer.export import export
+from orttrainer.export.export import ExportError
+from orttrainer.export.verify import TorchMismatchError
 
 
 def sgd(parameters):
@@ -1453,7 +1455,7 @@ def broken_relu_gradient(build):
 
 @pytest.mark.parametrize("mode", ["error", "warn", "off"])
 def test_builtin_check_catches_a_broken_gradient_kernel(monkeypatch, mode):
-    from orttrainer import cpu_kernels
+    from orttrainer.graph import cpu_kernels
 
     monkeypatch.setitem(cpu_kernels.FAST_CPU_KERNELS, "ReluGrad", broken_relu_gradient)
     torch.manual_seed(0)
@@ -1476,7 +1478,7 @@ def test_builtin_check_catches_a_broken_gradient_kernel(monkeypatch, mode):
 
 def test_builtin_check_runs_once_per_graph_and_leaves_training_unchanged(monkeypatch):
     """With the check on (the default) a run equals torch step by step; the check ran exactly once."""
-    from orttrainer import verify
+    from orttrainer.export import verify
 
     calls = []
     real = verify.torch_step
@@ -1503,7 +1505,7 @@ class StochasticDepth(nn.Module):
 def test_builtin_check_is_skipped_with_a_warning_when_forward_draws_random_numbers(monkeypatch):
     """torch and ONNX Runtime cannot draw the same numbers, and the check's rounding estimate (torch rerun with
     nudged weights, drawing again) would excuse any difference: the check is skipped, saying why and where."""
-    from orttrainer import verify
+    from orttrainer.export import verify
 
     monkeypatch.setattr(verify, "torch_step", lambda *args, **kwargs: pytest.fail("the check ran"))
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
-from orttrainer.session import device_providers, resolve_device, session_options
+from orttrainer.runtime.session import device_providers, resolve_device, session_options
 
 CUDA_AND_CPU = ["CUDAExecutionProvider", "CPUExecutionProvider"]
 ROCM_AND_CPU = ["ROCMExecutionProvider", "CPUExecutionProvider"]
@@ -136,7 +136,7 @@ def test_a_non_contiguous_tensor_is_refused_not_read_as_if_it_were():
     """IO binding passes a pointer, shape and dtype: a transposed view would be read in the wrong order."""
     from onnx import TensorProto, helper
 
-    from orttrainer.session import TorchBoundSession
+    from orttrainer.runtime.session import TorchBoundSession
 
     square = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [2, 3]) for name in ("x", "y")]
     graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "identity", square[:1], square[1:])

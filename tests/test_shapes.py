@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from models import CNN, MLP, SeqFirstEncoder, cnn_batch, lm_loss, mlp_batch
 from parity import assert_close_state, cpu_options, run_parity
 
-from orttrainer import ORTTrainer, graph_cache, optim
+from orttrainer import ORTTrainer, optim
+from orttrainer.runtime import graph_cache
 
 VOCAB = 30
 # (seq, batch): new shapes, the first one again, and a last smaller batch

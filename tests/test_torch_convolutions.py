@@ -1,4 +1,4 @@
-"""Convolutions run on torch's kernels between ONNX Runtime segments (orttrainer/torch_convolutions.py).
+"""Convolutions run on torch's kernels between ONNX Runtime segments (orttrainer/runtime/torch_convolutions.py).
 
 Through the public API: every kind of convolution torch can take trains and evaluates as a
 plain torch loop does (loss and every state_dict key, step by step), inside and across
@@ -22,8 +22,8 @@ from boundary import FLOOR, KINKS, ULPS, edge_values, spread, upstream_like
 from parity import assert_close_state, cpu_options, run_parity
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
-from orttrainer import torch_convolutions as split
-from orttrainer import torch_ops
+from orttrainer.runtime import torch_convolutions as split
+from orttrainer.runtime import torch_ops
 
 LR = 0.1
 
@@ -217,7 +217,7 @@ def test_mobilenet_trains_like_torch_with_hardswish_hardsigmoid_and_their_gradie
 
 def _hard_swish_gradient_nodes(forward_name, x, dy, dx):
     """The nodes the gradient builder makes from defined_gradients' HardSwish definition (constants as initializers)."""
-    from orttrainer import defined_gradients
+    from orttrainer.graph import defined_gradients
 
     prefix = f"{forward_name}_Grad/"
     nodes, constants = [], []

@@ -1,4 +1,4 @@
-"""Small ONNX nodes as torch ops (orttrainer/torch_ops.py), for the segments a split graph hands to torch whole.
+"""Small ONNX nodes as torch ops (orttrainer/runtime/torch_ops.py), for the segments a split graph hands to torch whole.
 
 Each op's torch step against ONNX Runtime's kernel for the same node, at edge values (0, -0, tiny,
 denormal, huge, FLT_MAX, ±inf, NaN), with broadcasting, size-1 and empty dims: element for element,
@@ -16,9 +16,9 @@ import zoo
 from boundary import edge_values, spread
 from onnx import TensorProto, helper
 
-from orttrainer import session as bound
-from orttrainer import torch_convolutions as split
-from orttrainer import torch_ops
+from orttrainer.runtime import session as bound
+from orttrainer.runtime import torch_convolutions as split
+from orttrainer.runtime import torch_ops
 
 EDGES = edge_values(3.0, -2.5, 0.5)  # 20 values
 INTEGERS = np.array([-7, -1, 0, 1, 7, 2**40 + 1], np.int64)

@@ -1,4 +1,4 @@
-"""LSTMs, GRUs and RNNs on torch's kernels inside the training graph (orttrainer/torch_recurrent.py).
+"""LSTMs, GRUs and RNNs on torch's kernels inside the training graph (orttrainer/runtime/torch_recurrent.py).
 
 The training graph's LSTMTraining/LSTMGrad and GRUTraining/GRUGrad nodes, and an RNN with its
 gradient placeholder, run as torch's aten::lstm / aten::gru / aten::rnn_tanh / aten::rnn_relu and
@@ -18,10 +18,11 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper
 from parity import cpu_options, run_parity
 
-from orttrainer import ORTTrainer, optim, torch_ops
-from orttrainer.graph import GradientBuildError
-from orttrainer.torch_convolutions import SplitSession
-from orttrainer.torch_recurrent import GRU, LSTM, RNN, onnx_parameter_gradients, recurrent, torch_parameters
+from orttrainer import ORTTrainer, optim
+from orttrainer.runtime import torch_ops
+from orttrainer.graph.graph import GradientBuildError
+from orttrainer.runtime.torch_convolutions import SplitSession
+from orttrainer.runtime.torch_recurrent import GRU, LSTM, RNN, onnx_parameter_gradients, recurrent, torch_parameters
 
 
 class Tagger(nn.Module):
@@ -108,7 +109,7 @@ def test_a_reordering_read_elsewhere_or_in_another_order_is_kept(monkeypatch):
     concatenated in an order that is not the gate permutation, stay in the graph; the other weight is folded."""
     import copy
 
-    from orttrainer import torch_recurrent
+    from orttrainer.runtime import torch_recurrent
 
     handed = []
     fold = torch_recurrent.fold_gate_reordering
@@ -253,7 +254,7 @@ def test_an_rnn_in_a_graph_left_whole_is_refused_before_onnx_runtime_runs_its_pl
     (one the split cannot cut) is refused by the RNN's module, not left to fail inside a run."""
     import onnx
 
-    from orttrainer import graph
+    from orttrainer.graph import graph
 
     path = tmp_path / "train.onnx"
     trainer = ORTTrainer(Tagger(layer=nn.RNN), None, optim.SGDConfig(lr=0.1), loss_fn=_loss,

@@ -8,7 +8,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from models import CNN, MLP, Encoder, cnn_batch, lm_loss, mlp_batch, token_batch
 
-from orttrainer import ORTTrainer, ORTTrainerOptions, TorchMismatchError, optim, verify
+from orttrainer import ORTTrainer, ORTTrainerOptions, TorchMismatchError, optim
+from orttrainer.export import verify
 
 
 class LinearReLU(nn.Module):
@@ -71,7 +72,7 @@ def test_the_trainer_check_catches_a_gradient_one_percent_off(monkeypatch, evalu
     """Also when an eval_step on another batch built the graph: the check compared the training batch with torch's
     step on the eval batch, taken at the build, and its rounding excuse then excused the fault (same shape), or
     failed comparing tensors of different sizes (other rows)."""
-    from orttrainer import cpu_kernels
+    from orttrainer.graph import cpu_kernels
 
     monkeypatch.setitem(cpu_kernels.FAST_CPU_KERNELS, "ReluGrad", gradient_one_percent_off)
     torch.manual_seed(0)
@@ -88,7 +89,7 @@ def test_the_trainer_check_catches_a_gradient_one_percent_off_after_the_weights_
     """torch's step taken at the build (here by an eval_step) is on the weights of then: every run on written weights
     differs from it, and the rounding excuse measured against it would excuse anything. The check takes torch's step
     again on the weights as they are, also after a write no version counter sees (through ``.data``)."""
-    from orttrainer import cpu_kernels
+    from orttrainer.graph import cpu_kernels
 
     monkeypatch.setitem(cpu_kernels.FAST_CPU_KERNELS, "ReluGrad", gradient_one_percent_off)
     torch.manual_seed(0)
@@ -155,7 +156,7 @@ def test_the_projected_check_passes_real_models_and_says_so_once(monkeypatch, ca
 
 
 def test_the_projected_check_catches_a_gradient_one_percent_off(monkeypatch, caplog):
-    from orttrainer import cpu_kernels
+    from orttrainer.graph import cpu_kernels
 
     _projected_check(monkeypatch, caplog)
     monkeypatch.setitem(cpu_kernels.FAST_CPU_KERNELS, "ReluGrad", gradient_one_percent_off)

@@ -10,7 +10,7 @@ import copy
 from enum import IntEnum
 from math import inf
 
-from .._arguments import _NUMBER, _argument_error, _check_argument, _is_non_negative
+from ..api._arguments import _NUMBER, _argument_error, _check_argument, _is_non_negative
 
 _OPTIMIZER_NAMES = ("AdamOptimizer", "LambOptimizer", "SGDOptimizer")
 _DEFAULTS_KEY = {"lambda_coef": "lambda"}  # an argument (and attribute) that defaults and groups store under another key

@@ -7,7 +7,7 @@ and returns ``[base_lr * factor]``.
 
 import math
 
-from .._arguments import _check_argument, _is_non_negative, _is_positive
+from ..api._arguments import _check_argument, _is_non_negative, _is_positive
 
 
 class _LRScheduler:

@@ -31,7 +31,9 @@ from torch.onnx import TrainingMode
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from . import forward_effects, model_outputs, rewrites, symbolics
+from . import forward_effects, symbolics
+from ..api import model_outputs
+from ..graph import rewrites
 
 WRAPPED = "model."  # prefix the wrapper adds to every weight name
 

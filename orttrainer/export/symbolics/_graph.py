@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from torch.onnx._internal.torchscript_exporter import _type_utils
 
-from .. import rewrites
+from ...graph import rewrites
 
 
 _REDUCTIONS = {0: None, 1: "ReduceMean", 2: "ReduceSum"}

@@ -8,8 +8,9 @@ import torch
 from torch.onnx import symbolic_helper
 from torch.onnx._internal.torchscript_exporter import _type_utils
 
-from .. import rewrites, torch_ctc
-from ..torch_recurrent import ATEN_DOMAIN
+from ...graph import rewrites
+from ...runtime import torch_ctc
+from ...runtime.torch_recurrent import ATEN_DOMAIN
 from ._graph import _constant, _ExportGraph, _module_scope, _numpy_dtype, _reduce
 from .elementwise import _clamp_min, detach
 from .reductions import pairwise_distance

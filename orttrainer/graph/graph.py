@@ -21,7 +21,8 @@ import onnxruntime
 from onnx import helper, numpy_helper
 from onnxruntime.capi._pybind_state import GradientGraphBuilder, get_optimized_model
 
-from . import cpu_kernels, defined_gradients, rewrites, torch_ctc, torch_recurrent
+from . import cpu_kernels, defined_gradients, rewrites
+from ..runtime import torch_ctc, torch_recurrent
 
 MAX_IR_VERSION = 10  # the highest IR version ONNX Runtime 1.19 loads
 

@@ -16,7 +16,7 @@ Each step computes what ONNX Runtime's kernel for the node computes, element for
 import onnx
 import torch
 
-from .rewrites import node_attributes
+from ..graph.rewrites import node_attributes
 
 # Cast targets whose conversions torch does as ONNX Runtime does, checked at edge values (NaN, ±inf and out of
 # range to integers: the CPU's conversion, the type's lowest value, on both sides)

@@ -15,8 +15,8 @@ import onnxruntime
 import torch
 from onnxruntime.training import PropagateCastOpsStrategy
 
-from . import amp
-from .optim import lr_scheduler
+from ..update import amp
+from ..optim import lr_scheduler
 
 MIN_OPSET = 12
 MAX_OPSET = 20  # the TorchScript exporter's highest opset in torch 2.13

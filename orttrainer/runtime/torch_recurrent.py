@@ -31,7 +31,7 @@ import onnx
 import torch
 from onnx import numpy_helper
 
-from .rewrites import node_attributes
+from ..graph.rewrites import node_attributes
 
 
 @dataclass(frozen=True)

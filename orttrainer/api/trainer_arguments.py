@@ -8,8 +8,8 @@ import onnx
 import torch
 
 from ._arguments import _argument_error, _check_argument
-from .optim._from_torch import equivalent_config
-from .optim.config import _OptimizerConfig
+from ..optim._from_torch import equivalent_config
+from ..optim.config import _OptimizerConfig
 from .options import ORTTrainerOptions
 
 

@@ -26,7 +26,7 @@ import json
 import onnx
 from onnxruntime.capi import _pybind_state as _ort
 
-from . import torch_ctc, torch_recurrent
+from ..runtime import torch_ctc, torch_recurrent
 from .rewrites import ZERO_GRADIENT_AT_BOUNDS, NodeBuilder, is_torch_hard_sigmoid, replace_nodes
 
 

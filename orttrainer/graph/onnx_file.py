@@ -15,7 +15,7 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
-from .checkpoint import written_whole
+from ..update.checkpoint import written_whole
 
 # a message's size limit (protobuf's 2 GiB), which the graph and its weights must stay under to be one file
 PROTOBUF_LIMIT = onnx.checker.MAXIMUM_PROTOBUF

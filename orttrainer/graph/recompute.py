@@ -38,7 +38,7 @@ import torch
 from onnx import helper
 
 from .graph import RANDOM_OPS, module_path
-from .session import IN_LISTED_ORDER
+from ..runtime.session import IN_LISTED_ORDER
 
 CHECKPOINTED_KEY = "orttrainer.checkpointed_modules"  # forward graph metadata: JSON, the module names per checkpoint call
 GELU_OPS = ("Gelu", "FastGelu", "BiasGelu")  # (QuickGelu is spelled out as torch's formula on the CPU: cpu_kernels.py)

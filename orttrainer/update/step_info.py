@@ -1,7 +1,7 @@
 """TrainStepInfo: the legacy per-step record the trainer hands LR schedulers and loss scalers."""
 
-from ._arguments import _check_argument, _is_non_negative
-from .optim.config import _OptimizerConfig
+from ..api._arguments import _check_argument, _is_non_negative
+from ..optim.config import _OptimizerConfig
 
 
 class TrainStepInfo:

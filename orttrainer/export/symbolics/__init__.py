@@ -16,7 +16,7 @@ import torch
 from torch.onnx._internal.torchscript_exporter import registration
 from torch.onnx._internal.torchscript_exporter import utils as exporter_utils
 
-from ..options import MAX_OPSET, MIN_OPSET
+from ...api.options import MAX_OPSET, MIN_OPSET
 from . import elementwise, indexing, layers, losses, reductions
 from ._graph import DOMAIN
 

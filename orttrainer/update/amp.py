@@ -1,6 +1,6 @@
 """Loss scalers for mixed-precision training (legacy ``amp.loss_scaler`` semantics)."""
 
-from ._arguments import _NUMBER, _check_argument, _is_positive
+from ..api._arguments import _NUMBER, _check_argument, _is_positive
 
 
 class LossScaler:

@@ -27,8 +27,9 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
-from . import defined_gradients, session, torch_ctc, torch_ops, torch_recurrent
-from .rewrites import is_torch_hard_sigmoid, node_attributes
+from ..graph import defined_gradients
+from . import session, torch_ctc, torch_ops, torch_recurrent
+from ..graph.rewrites import is_torch_hard_sigmoid, node_attributes
 from .torch_ops import FunctionStep, NodeStep
 
 TORCH_OPS = ("Conv", "ConvGrad")

@@ -8,7 +8,7 @@ from torch.onnx import symbolic_helper
 from torch.onnx._internal.torchscript_exporter import (_type_utils, symbolic_opset9, symbolic_opset11,
                                                        symbolic_opset13, symbolic_opset16)
 
-from .. import rewrites
+from ...graph import rewrites
 from ._graph import DOMAIN, _ExportGraph, _module_scope, _numpy_dtype
 
 

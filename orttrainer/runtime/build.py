@@ -24,8 +24,11 @@ import onnxruntime
 import torch
 from onnx import numpy_helper
 
-from . import cpu_kernels, defined_gradients, export, graph, progress, recompute, rewrites, session, torch_convolutions, verify
-from .model_desc import _ORTTrainerModelDesc, forward_keywords, forward_parameters, infer_model_desc
+from ..graph import cpu_kernels, defined_gradients, graph, recompute, rewrites
+from ..export import export, verify
+from .. import progress
+from . import session, torch_convolutions
+from ..api.model_desc import _ORTTrainerModelDesc, forward_keywords, forward_parameters, infer_model_desc
 
 
 class Runtime:

@@ -28,7 +28,8 @@ import warnings
 import onnx
 import torch
 
-from . import build, export
+from . import build
+from ..export import export
 
 MAX_GRAPHS = 8  # built graphs kept (each holds a training and an eval session)
 

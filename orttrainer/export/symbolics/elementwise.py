@@ -6,7 +6,7 @@ import torch
 from torch.onnx import symbolic_helper
 from torch.onnx._internal.torchscript_exporter import _type_utils, symbolic_opset9, symbolic_opset10, symbolic_opset11
 
-from .. import rewrites
+from ...graph import rewrites
 from ._graph import DOMAIN, _constant, _ExportGraph, _numpy_dtype
 
 

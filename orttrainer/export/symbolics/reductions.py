@@ -7,7 +7,7 @@ import torch
 from torch.onnx import symbolic_helper
 from torch.onnx._internal.torchscript_exporter import _type_utils, symbolic_opset9
 
-from .. import rewrites
+from ...graph import rewrites
 from ._graph import _constant, _ExportGraph, _module_scope, _numpy_dtype
 from .elementwise import detach
 
