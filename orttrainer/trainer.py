@@ -415,7 +415,8 @@ class ORTTrainer:
         checkpoint. All ranks must call this at the same step, one that completes a gradient-
         accumulation window; if any rank's write fails, every rank raises ``RankWriteError``.
         """
-        state = dict(self.state_dict())
+        # written at once: views of the trainer's tensors, not a second copy of the model's state
+        state = self._state.capture(copies=False) if self._runtime is not None else dict(self.state_dict())
         if not include_optimizer_states:
             state.pop("optimizer", None)
         if user_dict:

@@ -36,25 +36,26 @@ class TrainerState:
     info: object  # the trainer's TrainStepInfo
     seed: int  # the dropout seed
 
-    def model(self) -> dict:
+    def model(self, copies: bool = True) -> dict:
         """{name: CPU copy} of every weight and buffer, named like torch's state_dict() (tied
-        weights under their first name only)."""
+        weights under their first name only); without ``copies``, the trainer's own CPU tensors."""
         runtime = self.runtime
         tensors = {**runtime.weights, **runtime.batch_counters, **runtime.unexported_state}
-        return {name: tensor.detach().cpu().clone() for name, tensor in tensors.items()}
+        return {name: _on_cpu(tensor, copies) for name, tensor in tensors.items()}
 
     def pytorch(self) -> dict:
         """Every name torch's state_dict() has: a tied weight under each of its names."""
         model_state = self.model()
         return {**model_state, **{alias: model_state[name] for alias, name in self.runtime.aliases.items()}}
 
-    def capture(self) -> dict:
-        """The legacy state_dict (see the module docstring)."""
+    def capture(self, copies: bool = True) -> dict:
+        """The legacy state_dict (see the module docstring). Without ``copies`` its arrays are views of the
+        trainer's CPU tensors, for a checkpoint written at once (no second copy of a large model's state)."""
         settings = self.options.distributed
         inside_window = self.info.step % self.options.batch.gradient_accumulation_steps != 0
         return {
-            "model": {"full_precision": {name: tensor.numpy() for name, tensor in self.model().items()}},
-            "optimizer": _to_numpy(self.optimizer.state_dict()),
+            "model": {"full_precision": {name: tensor.numpy() for name, tensor in self.model(copies).items()}},
+            "optimizer": _to_numpy(self.optimizer.state_dict(), copies),
             "trainer_options": {
                 "mixed_precision": self.options.mixed_precision.enabled,
                 "zero_stage": settings.deepspeed_zero_optimization.stage,
@@ -309,8 +310,14 @@ def _checked_tensor(value, current, where):
     return tensor
 
 
-def _to_numpy(tree):
-    """Copy every tensor of a nested dict to a CPU numpy array."""
+def _to_numpy(tree, copies: bool = True):
+    """Every tensor of a nested dict as a CPU numpy array: a copy, or without ``copies`` a view of a CPU tensor."""
     if isinstance(tree, dict):
-        return {key: _to_numpy(value) for key, value in tree.items()}
-    return tree.detach().cpu().numpy().copy()
+        return {key: _to_numpy(value, copies) for key, value in tree.items()}
+    return _on_cpu(tree, copies).numpy()
+
+
+def _on_cpu(tensor: torch.Tensor, copies: bool) -> torch.Tensor:
+    """``tensor`` detached on the CPU: a copy, or without ``copies`` itself where it already is there."""
+    on_cpu = tensor.detach().cpu()
+    return on_cpu.clone() if copies and on_cpu.data_ptr() == tensor.data_ptr() else on_cpu
