@@ -15,6 +15,7 @@ A contender that fails (an exception, or killed for memory) is recorded with its
     python benchmarks/scale.py                     # every row; writes benchmarks/results/scale.{json,md,png}
     python benchmarks/scale.py --quick             # two tiny rows, under a minute (checks it works)
     python benchmarks/scale.py --sizes mlp-201m,gpt2-small --steps 3 --out /tmp/scale
+    python benchmarks/scale.py --sizes mlp-10m --add  # run one row again, keep the others of results/scale.json
 
 Time on the 2-core machine: --quick ~1 min; the rows up to 201M 11 min (measured with other jobs running);
 the whole set, with the >1B rows (8+ GB of RAM each), an hour or more (dominated by gpt2-large, gpt2-xl
@@ -257,12 +258,22 @@ def plot(report, path):
     plt.close(figure)
 
 
+def _merged_rows(old: list, new: list) -> list:
+    """``old``'s rows with ``new``'s in place of those of the same name, in ROWS' order (each row keeps its date)."""
+    today = date.today().isoformat()
+    by_name = {row["name"]: row for row in old} | {row["name"]: {**row, "measured": today} for row in new}
+    order = [*ROWS, *QUICK]
+    return sorted(by_name.values(), key=lambda row: order.index(row["name"]))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="", help=f"comma-separated rows (default: all): {', '.join(ROWS)}")
     parser.add_argument("--quick", action="store_true", help=f"only the rows {', '.join(QUICK)} (a smoke run)")
     parser.add_argument("--steps", type=int, default=None, help="steps timed after the first (default 3; --quick 2)")
     parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--add", action="store_true", help="keep the other rows of --out's scale.json (a row run again "
+                                                           "replaces its old one)")
     parser.add_argument("--child", nargs=2, metavar=("ROW", "CONTENDER"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     steps = args.steps if args.steps is not None else 2 if args.quick else 3
@@ -287,6 +298,8 @@ def main():
     from bench import _cpu_model  # imports torch: only after the children, whose peak RSS a big parent would inflate
 
     report["machine"] = f"{_cpu_model()}, {os.cpu_count()} cores"
+    if args.add and (args.out / "scale.json").exists():
+        report["rows"] = _merged_rows(json.loads((args.out / "scale.json").read_text())["rows"], report["rows"])
     table = markdown(report)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -14,8 +14,8 @@ from . import optim
 from .update.checkpoint import CheckpointError
 from .runtime.cuda_libraries import GPULibraryError
 from .update.distributed import RankWriteError
-from .export.export import ExportError
-from .graph.graph import GradientBuildError, RunError
+from .export.refusals import ExportError
+from .graph.graph_errors import GradientBuildError, RunError
 from .api.options import ORTTrainerOptions
 from .runtime.session import ProviderFallbackError
 from .update.step_info import TrainStepInfo

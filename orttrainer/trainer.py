@@ -13,7 +13,6 @@ captured and restored by state.py.
 import copy
 import functools
 import hashlib
-import math
 import warnings
 
 import onnxruntime
@@ -21,13 +20,13 @@ import torch
 
 from .update import amp, distributed
 from .runtime import build, graph_cache, session
-from .graph import graph, onnx_file
+from .graph import graph_errors, onnx_file
 from . import progress
 from .export import verify
-from .update.gradients import Gradients
+from .update.gradients import Gradients, window_size
 from .api.model_desc import _ORTTrainerModelDesc, match_inputs
-from .api.model_outputs import as_list
-from .export.module_edits import changed_values, module_as_built
+from .api.model_outputs import packed_outputs, requested_outputs, selected_outputs
+from .export.module_edits import module_as_built, refuse_module_changes, refuse_setting_changes
 from .optim import _update
 from .update.step_info import TrainStepInfo
 from .api.trainer_arguments import check_trainer_arguments
@@ -161,9 +160,10 @@ class ORTTrainer:
         self._refuse_setting_edits()
         inputs = self._ensure_initialized(args, kwargs)
         self._refuse_module_edits(training=True)
-        requested = self._requested_outputs()
+        requested = requested_outputs(self.model_desc, self._train_step_info.fetches)
         info = self._train_step_info
-        accumulation = self._accumulation_steps(info.step)
+        steps = self.options.batch.gradient_accumulation_steps
+        accumulation = self._window_steps = window_size(steps, self._window_steps, info.step)
         starts_window = info.step % accumulation == 0
         gradient_buffers = self._gradients.buffers_for(starts_window)
         if self._runtime.reference is not None:
@@ -178,67 +178,17 @@ class ORTTrainer:
             self._data_parallel.share_buffers(self._runtime.batch_norm_tensors())
         if not starts_window:
             self._gradients.add_scratch()
-        return self._select_outputs(outputs, requested), info.step % accumulation == 0, accumulation
-
-    def _accumulation_steps(self, step: int) -> int:
-        """``batch.gradient_accumulation_steps``, which may change only where a window of the old size ends and one of
-        the new size starts (windows are the steps' multiples of it): elsewhere the partial sum of the open window
-        would be divided by the new count, or the gradients of the last update counted again."""
-        steps, before = self.options.batch.gradient_accumulation_steps, self._window_steps
-        if before is not None and steps != before and (step % before or step % steps):
-            both = math.lcm(before, steps)
-            raise ValueError(
-                f"options batch.gradient_accumulation_steps changed from {before} to {steps} at train_step {step + 1}: "
-                "windows are the steps' multiples of it, so it may change only after a step that is a multiple of both "
-                f"(the next: step {-(-step // both) * both}); change it there, or create a new trainer"
-            )
-        self._window_steps = steps
-        return steps
+        returned = selected_outputs(self.model_desc, outputs, requested, info.fetches)
+        return returned, info.step % accumulation == 0, accumulation
 
     def _refuse_setting_edits(self) -> None:
-        """The options and optim_config must be what the build took (all but the learning rate and the options read at
-        every step), and optim_config's hyper-parameter attributes as created: the update reads its defaults and
-        groups."""
-        given = changed_values(self._options_given)
-        if given:
-            raise ValueError(
-                f"since the trainer was created, {'; '.join(given)} in the ORTTrainerOptions passed to it: the trainer "
-                "keeps a copy of them, taken then, which these changes do not reach. Change trainer.options instead "
-                "(before the first step; batch.gradient_accumulation_steps and lr_scheduler also between steps)"
-            )
-        changed = changed_values(self._settings_as_built)
-        if changed:
-            raise ValueError(
-                f"since the trainer built its graphs and update (at its first step; an ONNX model's when it was created), "
-                f"{'; '.join(changed)}: the trainer took these then, so the change would not apply. Set them before, or "
-                "go on in a new trainer created with them, from this one's state "
-                "(new_trainer.load_state_dict(trainer.state_dict()))"
-            )
-        set_since = self.optim_config.attributes_set_since_creation()
-        if set_since:
-            attribute = next(iter(set_since))
-            raise ValueError(
-                f"{'; '.join(set_since.values())}: the update takes the hyper-parameters of optim_config.defaults and "
-                "params, filled in when the config is created, not its attributes. Create the config with the value, "
-                f"e.g. {type(self.optim_config).__name__}({attribute}={getattr(self.optim_config, attribute)!r})"
-            )
+        """The options and optim_config as the build took them (module_edits.refuse_setting_changes)."""
+        refuse_setting_changes(self._options_given, self._settings_as_built, self.optim_config)
 
     def _refuse_module_edits(self, training: bool) -> None:
-        """The user's module must be as the graphs were built from it at its first step (module_edits.py): the
-        graphs hold its structure, modes and the values its forward read then, and the sessions read the memory of
-        its weights, so such a change would not reach the step, without a word. Values written into its weights do
-        reach it. With ``training`` False (eval_step) the weights' requires_grad and the modules' modes do not count."""
-        if self._built_from is None:
-            return
-        changed = self._built_from.changes(training)
-        if changed:
-            raise ValueError(
-                f"since the trainer's first step, {'; '.join(changed)}: the trainer's graphs hold the module as it was "
-                "then, with the values its forward read then, which these changes do not reach. Freeze weights, set "
-                "modes and attributes before creating the trainer (requires_grad or options utils.frozen_weights; "
-                "eval() on a submodule); pass a value that changes between steps as an argument of forward (a tensor, "
-                "or a number: a graph per value); or create a new trainer"
-            )
+        """The user's module as the graphs were built from it (module_edits.refuse_module_changes)."""
+        if self._built_from is not None:
+            refuse_module_changes(self._built_from, training)
 
     def _run_training_graph(self, inputs, gradient_buffers):
         """Forward + backward of this batch, gradients into ``gradient_buffers``, BatchNorm statistics
@@ -283,7 +233,7 @@ class ORTTrainer:
                 gradients = {}
             gradients = {name: grad.float() / runtime.loss_scale.item() for name, grad in gradients.items()}
         ort = verify.StepResult(dict(zip(output_names, outputs)), gradients, buffers)
-        where = graph.where_in_graph(runtime.onnx_model, list(gradients) + output_names + list(buffers))
+        where = graph_errors.where_in_graph(runtime.onnx_model, list(gradients) + output_names + list(buffers))
         mode = self.options.debug.check_against_torch
         verify.check(ort, run_torch, runtime.weights, self._checked_dtype(), where, mode, torch_result)
 
@@ -318,37 +268,17 @@ class ORTTrainer:
         digest = hashlib.sha256(f"{self._seed}:{step}:{self._world.rank}".encode()).digest()
         return int.from_bytes(digest[:8], "little") >> 1
 
-    def _requested_outputs(self):
-        names = [entry.name for entry in self.model_desc.outputs]
-        fetches = self._train_step_info.fetches
-        if not fetches:
-            return names
-        unknown = [name for name in fetches if name not in names]
-        if unknown:
-            raise RuntimeError(f"The specified fetches list contains invalid output names {unknown}; outputs are {names}")
-        return list(fetches)
-
-    def _select_outputs(self, outputs, requested):
-        by_name = dict(zip([entry.name for entry in self.model_desc.outputs], outputs))
-        return self._returned([by_name[name] for name in requested])
-
-    def _returned(self, selected):
-        """The requested outputs in the model's form (its ModelOutput or dict, when it returned one
-        and no fetches are set), else the legacy list, a single tensor bare."""
-        form = self.model_desc.form
-        return form.pack(selected) if form is not None and not self._train_step_info.fetches else as_list(selected)
-
     def eval_step(self, *args, **kwargs):
         """Forward only, in inference mode (dropout off, BatchNorm on running statistics)."""
         self._refuse_setting_edits()
         inputs = self._ensure_initialized(args, kwargs)
         self._refuse_module_edits(training=False)
-        requested = self._requested_outputs()
+        requested = requested_outputs(self.model_desc, self._train_step_info.fetches)
         if self._runtime.eval_reference is None:
-            return self._returned(self._runtime.run_eval(inputs, requested))
+            return packed_outputs(self.model_desc, self._runtime.run_eval(inputs, requested), self._train_step_info.fetches)
         outputs = self._runtime.run_eval(inputs, [entry.name for entry in self.model_desc.outputs])
         self._check_eval_against_torch(inputs, outputs)
-        return self._select_outputs(outputs, requested)
+        return selected_outputs(self.model_desc, outputs, requested, self._train_step_info.fetches)
 
     def _check_eval_against_torch(self, inputs, outputs):
         """The built-in check at the first eval_step on a graph (verify.py): the eval graph's ``outputs`` on this
@@ -359,7 +289,7 @@ class ORTTrainer:
         run_torch = functools.partial(verify.torch_eval, reference.module, self.loss_fn, reference.forward_names, inputs,
                                       output_names=output_names, constants=reference.constants)  # fmt: skip
         ort = verify.StepResult(dict(zip(output_names, outputs)), {})
-        where = graph.where_in_graph(runtime.onnx_model, output_names)
+        where = graph_errors.where_in_graph(runtime.onnx_model, output_names)
         mode = self.options.debug.check_against_torch
         verify.check(ort, run_torch, runtime.weights, self._checked_dtype(), where, mode, subject=verify.FIRST_EVAL)
 

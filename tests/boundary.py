@@ -1,6 +1,6 @@
 """Run the training graph the trainer builds for one op, and compare it with torch in float64.
 
-The graph goes through ``graph.build_training_graphs`` exactly as in the trainer (rewrites,
+The graph goes through ``training_graph.build_training_graphs`` exactly as in the trainer (rewrites,
 ONNX Runtime's optimizer and gradient builder, fast CPU kernels) and runs once in ONNX
 Runtime. The reference is torch autograd in float64 on the same float32 inputs, rounded to
 float32; an element also passes when it equals torch's own float32 result, because torch's
@@ -24,8 +24,8 @@ import torch
 from onnx import helper, numpy_helper
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
-from orttrainer.export import export, symbolics
-from orttrainer.graph import graph
+from orttrainer.export import exported_graph, symbolics
+from orttrainer.graph import training_graph
 
 FLOAT32 = np.finfo(np.float32)
 LOSS = "loss"
@@ -117,17 +117,17 @@ def exported_model(function, values: dict, upstream, trainable, opset=17):
         torch.onnx.export(Wrapped(), (), buffer, dynamo=False, opset_version=opset, do_constant_folding=False,
                           output_names=[LOSS, "output"])  # fmt: skip
     model = onnx.load_from_string(buffer.getvalue())
-    export.resolve_markers(model)
+    exported_graph.resolve_markers(model)
     return model
 
 
 def run_training_graph(model, values: dict, trainable):
     """Build the trainer's training graph for ``model`` and run it once: ({output or
     ``<name>_grad``: array}, the training graph). An embedding lookup's rows gradient is
-    scatter-added into its weight's gradient, as the trainer does (graph.EmbeddingGradient;
+    scatter-added into its weight's gradient, as the trainer does (outputs_for_trainer.EmbeddingGradient;
     lookups without a padding_idx or scale_grad_by_freq rule)."""
     frozen = [name for name in values if name not in trainable]
-    graphs = graph.build_training_graphs(model, list(trainable), frozen, LOSS, [LOSS, "output"], on_cpu=True)
+    graphs = training_graph.build_training_graphs(model, list(trainable), frozen, LOSS, [LOSS, "output"], on_cpu=True)
     session = onnxruntime.InferenceSession(graphs.train.SerializeToString(), providers=["CPUExecutionProvider"])
     lookups = {embedding.lookup_input: embedding.weight for embedding in graphs.embedding_gradients}
     feeds = {graph_input.name: np.asarray(values[lookups.get(graph_input.name, graph_input.name)]) for graph_input in session.get_inputs()}

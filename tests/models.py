@@ -178,7 +178,7 @@ class StraightThrough(nn.Module):
 
 class NoGradTarget(nn.Module):
     """A target computed under torch.no_grad() from the same encoder (and a scale from its output), which torch
-    gives no gradient: the trace records no grad mode, export._NoGradResultsDetached detaches them."""
+    gives no gradient: the trace records no grad mode, trace._NoGradResultsDetached detaches them."""
 
     def __init__(self):
         super().__init__()

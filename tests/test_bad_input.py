@@ -9,7 +9,7 @@ from models import MLP, CNN, cnn_batch, mlp_batch
 from parity import cpu_options, run_parity
 
 from orttrainer import GradientBuildError, ORTTrainer, ORTTrainerOptions, RunError, optim
-from orttrainer.export.export import ExportError
+from orttrainer.export.refusals import ExportError
 
 MLP_DESC = {"inputs": [("x", ["batch", 32]), ("label", ["batch"])], "outputs": [("loss", [], True), ("logits", ["batch", 10])]}
 
@@ -139,7 +139,7 @@ def test_export_failure_is_wrapped_and_chained():
         def forward(self, x):
             return self.fc(x) + torch.histc(x).sum()  # aten::histc has no ONNX symbolic
 
-    from orttrainer.export.export import ExportError
+    from orttrainer.export.refusals import ExportError
 
     trainer = make_trainer(model=Unexportable(), loss_fn=F.mse_loss)
     with pytest.raises(ExportError, match=r"torch.onnx.export of Unexportable failed: .*aten::histc") as caught:
@@ -259,7 +259,7 @@ def test_weights_that_are_not_float32_are_refused_with_names(dtype):
     ],
 )
 def test_module_path_from_exporter_scopes(node_name, module):
-    from orttrainer.graph.graph import module_path
+    from orttrainer.graph.graph_errors import module_path
 
     assert module_path(node_name) == module
 

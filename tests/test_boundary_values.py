@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from boundary import (FLOAT32, FLOOR, KINKS, ULPS, check_against_torch, check_trainer_against_torch, edge_values, exported_model,
                       op_types, run_training_graph, single_op_model, spread, torch_reference, upstream_like)  # fmt: skip
 
-from orttrainer.graph import graph, rewrites
+from orttrainer.graph import graph_errors, rewrites, training_graph
 
 
 # op: (attributes, torch function, inputs beyond edge_values())
@@ -36,7 +36,7 @@ UNARY = {
     "Sign": ({}, torch.sign, []),
 }
 # inputs of their own: the domain is [1, inf) or [-1, 1]. Out of the domain torch's value is
-# NaN, as here; its gradient is still finite below -1 for acosh (NaN here, see rewrites.acosh).
+# NaN, as here; its gradient is still finite below -1 for acosh (NaN here, see rewrites.elementwise.acosh).
 DOMAIN = {
     "Acosh": (torch.acosh, [1.0, 1.0000001, 1.5, 2.0, 4095.9998, 4096.0, 1.8e19, 1e20, 3e38, np.inf, np.nan, 0.5, 0.0,
                             *np.logspace(0, 30, 31)]),
@@ -222,11 +222,11 @@ def test_cumsum_spreads_inf_and_nan_only_forward(axis, reverse, exclusive):
     check_against_torch(model, reference, {"x": finite}, ["x"], upstream)
 
 
-# Sums over repeated indices (rewrites.scatter_with_reduction, symbolics.indexing.index_add / index_put): rows 0, 2 and 3 of
+# Sums over repeated indices (rewrites.indexing.scatter_with_reduction, symbolics.indexing.index_add / index_put): rows 0, 2 and 3 of
 # the data get 3, 2 and 1 updates, rows 1 and 4 none. Each column is a case: signed zeros, infinities and NaN,
 # denormals and tiny values, huge values overflowing, ordinary values. Values sent to one row keep one sign where
 # they are huge: the updates are summed before the data is added, so a sum that cancels huge values of opposite
-# signs legitimately differs from torch's in-order one by their rounding (rewrites.scatter_with_reduction).
+# signs legitimately differs from torch's in-order one by their rounding (rewrites.indexing.scatter_with_reduction).
 _MAX = float(FLOAT32.max)
 SCATTER_TARGETS = np.array([0, 2, 0, 0, 3, 2], np.int64)
 SCATTER_DATA = np.array([[-0.0, 1.0, 1e-40, _MAX, 1.5], [-0.0, np.inf, -1e-40, 1e30, -2.25], [0.0, -np.inf, 1e-30, 1e30, 3.0],
@@ -294,7 +294,7 @@ def test_roots_with_torchs_zero_gradient_at_zero(function):
     check_against_torch(model, reference, {"x": x}, ["x"], upstream, ulps, floor)
 
 
-# Roots, logs and reciprocals of a ReLU's or clamp's output (rewrites.select_before_singular): their gradient is
+# Roots, logs and reciprocals of a ReLU's or clamp's output (rewrites.activations.select_before_singular): their gradient is
 # infinite at the 0 the mask puts out, where torch's select gives 0 and a mask multiplication NaN.
 MASKED_SINGULAR = {
     "sqrt(relu)": lambda x: torch.relu(x).sqrt(),
@@ -346,7 +346,7 @@ def test_sort_and_topk_rank_nan_as_torch(function):
 
 # Gathers by indices computed in the run (cpu_kernels._scattered_gather_gradient: GatherGrad as a scatter that adds):
 # rows picked by how many of their values exceed 1 (repeats among them), columns by an argsort.
-# The gathered tensor is 2 x, not the weight x itself, whose row gathers train as embeddings (graph.EmbeddingGradient).
+# The gathered tensor is 2 x, not the weight x itself, whose row gathers train as embeddings (outputs_for_trainer.EmbeddingGradient).
 GATHERED = {
     "rows repeated": lambda x: (2 * x)[(x.detach().abs() > 1).sum(1) % x.shape[0]],
     "columns by argsort": lambda x: (2 * x).index_select(1, x.detach().nan_to_num(0.0)[0].argsort()[:3]),
@@ -363,7 +363,7 @@ def test_gathers_by_indices_computed_in_the_run(function):
     assert "GatherGrad" not in op_types(train)
 
 
-# torch.maximum / minimum (rewrites.pairwise_extreme): ties split dy, NaN on either side gives both dy. Pairs of edge
+# torch.maximum / minimum (rewrites.arithmetic.pairwise_extreme): ties split dy, NaN on either side gives both dy. Pairs of edge
 # values, equal ones among them, and a broadcast second input.
 PAIRS_A = edge_values(1.0, 2.0, 2.0, np.nan, -np.inf, 3.0)
 PAIRS_B = np.concatenate([edge_values()[::-1], np.array([1.0, 2.0, 5.0, 1.0, -np.inf, np.nan], np.float32)])
@@ -499,8 +499,8 @@ def test_nearest_resize_that_does_not_repeat_values_is_refused(modes):
     attributes = {"mode": "nearest", "coordinate_transformation_mode": modes[0], "nearest_mode": modes[1]}
     model = single_op_model("Resize", ["x", "", "scales"], {"x": x}, 1.0, attributes,
                             constants={"scales": np.array([1, 1, 3, 3], np.float32)})  # fmt: skip
-    with pytest.raises(graph.GradientBuildError, match="do not repeat each value"):
-        graph.build_training_graphs(model, ["x"], [], "loss", ["loss", "output"])
+    with pytest.raises(graph_errors.GradientBuildError, match="do not repeat each value"):
+        training_graph.build_training_graphs(model, ["x"], [], "loss", ["loss", "output"])
 
 
 # (scales, align_corners, input shape); 5 x 7 by 1.5 is 7 x 10 (ONNX's and torch's floor), not a rounded 8 x 10
@@ -1218,7 +1218,7 @@ def test_losses_over_class_indices_when_the_kept_weights_sum_to_zero(loss, reduc
 def test_sum_of_quotients_by_constants(third):
     """a / 2 + b / 3 (+ relu(c)): ONNX Runtime's training optimizer fused it into a ScaledSum, which has no CPU kernel
     (refused), multiplies by 1/3 where torch divides by 3, and with a third term read relu's input instead of its
-    output; rewrites.sum_of_quotients keeps the Add apart, bit for bit."""
+    output; rewrites.arithmetic.sum_of_quotients keeps the Add apart, bit for bit."""
     a = edge_values(3.0, 1.0 / 3.0, 7.0)
     values = {"a": a, "b": a[::-1].copy()}
     if third:
@@ -1383,7 +1383,7 @@ _BATCH_STATISTICS = {
                                   else case for case in _BATCH_STATISTICS])  # fmt: skip
 def test_batch_norm_without_running_statistics(case, tmp_path):
     """symbolics.layers.batch_norm without running statistics: normalized by the batch's statistics in train_step, in
-    eval_step (graph.set_inference_mode keeps it in training mode) and in the model save_as_onnx writes (spelled out);
+    eval_step (eval_graph.set_inference_mode keeps it in training mode) and in the model save_as_onnx writes (spelled out);
     variance 0 and 1e-60 (epsilon decides), 1e36 and beyond, inf and NaN (NaN over their channel, as torch's), one
     image of 2x3; the weight and bias's gradients too."""
     x = np.array(_BATCH_STATISTICS[case], np.float32)
@@ -1470,7 +1470,7 @@ def test_ifs_that_shape_inference_cannot_decide_are_refused_at_every_batch_shape
     refused by name, whichever batch size comes first."""
     function, weights = (lambda x, weight: F.linear(x, weight).squeeze(0)), {"weight": np.ones((3, 4), np.float32)}
     for first in (1, 3):
-        with pytest.raises(graph.GradientBuildError, match=r"If \(node '/model/If'\): control flow"):
+        with pytest.raises(graph_errors.GradientBuildError, match=r"If \(node '/model/If'\): control flow"):
             check_trainer_against_torch(function, [{"x": np.ones((first, 5, 4), np.float32)}], weights)
 
 
@@ -1496,7 +1496,7 @@ def test_adaptive_average_pool_to_sizes_that_do_not_divide(dims, size):
 
 @pytest.mark.parametrize("case", ["grouped 1-d", "grouped 3-d", "same, dilated", "same, grouped 1-d"])
 def test_rewritten_convolutions_at_edge_values(case):
-    """rewrites.grouped_convolution (a grouped 1-d Conv as 2-d over a unit axis, a 3-d one per group) and
+    """rewrites.convolutions.grouped_convolution (a grouped 1-d Conv as 2-d over a unit axis, a 3-d one per group) and
     rewrites.explicit_convolution_pads (auto_pad written out): values and the gradients of input and weight as
     torch's, at 0, -0, tiny, ±inf and NaN. No huge finite values, and positive weights: what survives a
     cancellation inside a window depends on the order of summation (12 float32 spacings of the result apart with

@@ -1,11 +1,11 @@
-"""Broadcast inputs get torch's gradients (rewrites.broadcast_gradient), or a clear refusal.
+"""Broadcast inputs get torch's gradients (rewrites.arithmetic.broadcast_gradient), or a clear refusal.
 
 onnxruntime-training 1.19 does not reduce Where's gradient, nor Pow's base gradient, to the
 shape of a broadcast input, and reduces those of Add/Sub/Mul/Div/Max/Min wrongly when two
 differently named dynamic dimensions meet. The full matrix (7 ops, Where's condition, Expand
 and PRelu over 14 broadcast patterns, with weights and with dynamic-batch activations; 290
 cases) is in docs/stack_facts.md, "Broadcast gradients"; these cases are one per kind of failure.
-The builder's reductions that provably never reduce are dropped (graph.drop_empty_broadcast_reductions).
+The builder's reductions that provably never reduce are dropped (training_graph.drop_empty_broadcast_reductions).
 """
 
 import copy
@@ -19,7 +19,7 @@ from onnx import TensorProto, helper
 from parity import cpu_options
 
 from orttrainer import GradientBuildError, ORTTrainer, optim
-from orttrainer.graph import graph
+from orttrainer.graph import training_graph
 
 
 class Operands(nn.Module):
@@ -115,7 +115,7 @@ def _broadcast_reduction(shape_x, shape_y, position):
         "other-static-1"])  # fmt: skip
 def test_broadcast_reduction_is_dropped_only_when_the_operand_keeps_its_shape(shape_x, shape_y, position, dropped):
     model = _broadcast_reduction(shape_x, shape_y, position)
-    graph.drop_empty_broadcast_reductions(model, model)  # the forward Add is in the same graph
+    training_graph.drop_empty_broadcast_reductions(model, model)  # the forward Add is in the same graph
     op_types = [node.op_type for node in model.graph.node]
     assert ("ReduceSum" not in op_types) == dropped, op_types
     if dropped:

@@ -1,4 +1,4 @@
-"""ConvTranspose, rewritten into a Conv (rewrites.conv_transpose), trains as torch does.
+"""ConvTranspose, rewritten into a Conv (rewrites.convolutions.conv_transpose), trains as torch does.
 
 ONNX Runtime 1.19 has no CPU kernel for ConvTranspose's gradient. Each case trains one SGD
 step (lr 1: the weight change is the gradient) against torch in float64, then a batch of

@@ -20,9 +20,9 @@ from parity import (assert_state_within_float32_error, assert_within_float32_err
                     run_parity)  # fmt: skip
 
 from orttrainer import ORTTrainer, optim
-from orttrainer.graph import graph
+from orttrainer.graph import training_graph
 from orttrainer.runtime import torch_ctc
-from orttrainer.graph.graph import GradientBuildError
+from orttrainer.graph.graph_errors import GradientBuildError
 from orttrainer.runtime.torch_convolutions import SplitSession
 
 CLASSES, FEATURES, BATCH = 6, 4, 3
@@ -222,7 +222,7 @@ def test_a_graph_left_whole_is_refused_before_onnx_runtime_runs_the_loss(tmp_pat
     trainer.train_step(*_batches(times=(12,))[0])
     with pytest.raises(GradientBuildError, match=r"ctc_loss \(node '/model/ATen'\): ONNX Runtime has no CTC loss; .*this one "
                                                  r"cannot be split \(it holds control flow"):  # fmt: skip
-        graph.refuse_recurrent_layers_onnx_runtime_cannot_train(onnx.load(path))
+        training_graph.refuse_recurrent_layers_onnx_runtime_cannot_train(onnx.load(path))
 
 
 def test_save_as_onnx_leaves_the_loss_out_or_is_refused(tmp_path):

@@ -77,13 +77,13 @@ def test_error_types_users_catch_are_exported():
     from orttrainer import checkpoint
     from orttrainer.runtime import cuda_libraries, session
     from orttrainer.update import distributed
-    from orttrainer.export import export, verify
-    from orttrainer.graph import graph
+    from orttrainer.export import refusals, verify
+    from orttrainer.graph import graph_errors
 
     assert orttrainer.CheckpointError is checkpoint.CheckpointError
-    assert orttrainer.ExportError is export.ExportError
-    assert orttrainer.GradientBuildError is graph.GradientBuildError
-    assert orttrainer.RunError is graph.RunError
+    assert orttrainer.ExportError is refusals.ExportError
+    assert orttrainer.GradientBuildError is graph_errors.GradientBuildError
+    assert orttrainer.RunError is graph_errors.RunError
     assert orttrainer.RankWriteError is distributed.RankWriteError
     assert orttrainer.TorchMismatchError is verify.TorchMismatchError
     assert orttrainer.GPULibraryError is cuda_libraries.GPULibraryError

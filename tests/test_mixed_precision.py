@@ -209,7 +209,7 @@ def test_scaler_argument_checks(build, error, message):
 
 @pytest.mark.parametrize("make_model", [StraightThrough, NoGradTarget], ids=["straight-through", "no-grad-target"])
 def test_detach_and_no_grad_train_under_mixed_precision(make_model):
-    """The detach's exact copy (graph.stop_gradients) runs in float32 inside the float16 graph; the first step
+    """The detach's exact copy (training_graph.stop_gradients) runs in float32 inside the float16 graph; the first step
     passes the check against torch, and the float16 losses track the float32 ones."""
 
     def losses(mixed):
@@ -229,7 +229,7 @@ def test_detach_and_no_grad_train_under_mixed_precision(make_model):
 
 class DetachingSymbolics(torch.nn.Module):
     """cosine_similarity, atan2 and (in the loss) binary_cross_entropy: orttrainer's symbolics for them detach a
-    part of their value, which graph.stop_gradients cuts after the float16 conversion."""
+    part of their value, which training_graph.stop_gradients cuts after the float16 conversion."""
 
     def __init__(self):
         super().__init__()

@@ -63,15 +63,15 @@ def test_check_model_export_passes_for_a_faithful_export():
 
 
 def test_check_model_export_catches_a_diverging_export(monkeypatch):
-    from orttrainer.export import export
+    from orttrainer.export import as_trained
 
-    original = export.sample_outputs
+    original = as_trained.sample_outputs
 
     def off_by_one(*args):
         (loss, output), form = original(*args)
         return (loss, output + 1), form
 
-    monkeypatch.setattr(export, "sample_outputs", off_by_one)
+    monkeypatch.setattr(as_trained, "sample_outputs", off_by_one)
     with pytest.raises(AssertionError, match=r"debug.check_model_export: ONNX output 'output' differs from torch"):
         trained(MLP(), F.cross_entropy, mlp_batch(), steps=1, options=cpu_options({"debug": {"check_model_export": True}}))
 
@@ -225,3 +225,18 @@ def test_a_module_that_cannot_be_deep_copied_trains_like_torch(tmp_path):
         for name, tensor in reference.state_dict().items():
             torch.testing.assert_close(model.body.state_dict()[name], tensor, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
     model.file.close()
+
+
+def test_code_in_every_stage_package_counts_as_orttrainers_not_the_users():
+    """Warnings and locations are blamed on the user's code only outside orttrainer: every module of every stage
+    package (export/, runtime/, graph/, ...) is orttrainer's, the user's own file is not."""
+    import pathlib
+
+    import orttrainer
+    from orttrainer.export import forward_effects
+
+    package = pathlib.Path(orttrainer.__file__).parent
+    modules = sorted(package.rglob("*.py"))
+    assert len({path.parent for path in modules}) > 5
+    assert not [path for path in modules if forward_effects.is_users_code(str(path))]
+    assert forward_effects.is_users_code(__file__)

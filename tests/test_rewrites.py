@@ -649,7 +649,7 @@ def _conv_gradient_overflow(rank, groups, channels=8, batch=2, length=5):
 
 @pytest.mark.parametrize("rank", [1, 2, 3])
 def test_onnx_runtimes_grouped_conv_gradient_writes_past_its_end_in_1d_and_3d(rank):
-    """The stack fact rewrites.grouped_convolution works around (onnxruntime-training 1.19.2): each group clears
+    """The stack fact rewrites.convolutions.grouped_convolution works around (onnxruntime-training 1.19.2): each group clears
     C x (input length) values from its own start, so groups - 1 groups' worth of zeros land past the end; the 2-d
     kernel, and any ungrouped one, stay in bounds. A release that fixes it fails here: the rewrite can go."""
     assert _conv_gradient_overflow(rank, groups=1) == 0
@@ -702,7 +702,7 @@ def test_grouped_1d_and_3d_convolutions_train_like_torch_with_gradients_in_bound
 
 # ---------------------------------------------------------------------------- auto_pad
 def test_onnx_runtimes_conv_gradient_ignores_auto_pad():
-    """The stack fact rewrites.convolution_pads works around (onnxruntime-training 1.19.2): ConvGrad of a Conv with
+    """The stack fact rewrites.convolutions.convolution_pads works around (onnxruntime-training 1.19.2): ConvGrad of a Conv with
     auto_pad SAME_UPPER pads by nothing, and its gradients are not those of the same Conv with the pads written out
     (which are torch's). A release that fixes it fails here: the rewrite can go."""
     generator = np.random.default_rng(0)
@@ -729,7 +729,7 @@ def test_onnx_runtimes_conv_gradient_ignores_auto_pad():
 @pytest.mark.parametrize("auto_pad", ["SAME_UPPER", "SAME_LOWER", "VALID"])
 @pytest.mark.parametrize("kernel, stride, dilation, length", [(3, 1, 1, 7), (4, 1, 1, 6), (3, 2, 1, 7), (4, 3, 1, 8), (2, 2, 1, 5)])
 def test_a_conv_with_auto_pad_computes_the_same_with_its_pads_written_out(auto_pad, kernel, stride, dilation, length):
-    """rewrites.convolution_pads against ONNX Runtime's forward Conv, which follows auto_pad: odd and even kernels,
+    """rewrites.convolutions.convolution_pads against ONNX Runtime's forward Conv, which follows auto_pad: odd and even kernels,
     strides that leave a remainder, both SAME rules (the odd pad at the end or the start). (Its forward refuses
     dilation with SAME; a dilated 'same' convolution trains against torch below.)"""
     node = helper.make_node("Conv", ["x", "w"], ["y"], name="conv", auto_pad=auto_pad, kernel_shape=[kernel, kernel],

@@ -24,8 +24,8 @@ from parity import assert_close_state, assert_within_float32_error, cpu_options,
 
 from orttrainer import GradientBuildError, ORTTrainer, ORTTrainerOptions, amp, optim
 from orttrainer.runtime import build
-from orttrainer.export import export
-from orttrainer.export.export import ExportError
+from orttrainer.export import refusals
+from orttrainer.export.refusals import ExportError
 from orttrainer.export.verify import TorchMismatchError
 
 
@@ -321,7 +321,7 @@ def test_batches_whose_kept_labels_weigh_nothing_train_as_torch():
 
 class AveragedHeads(nn.Module):
     """Two heads averaged by constant weights (``a / 2 + b / 4``), plus a third term: the pattern ONNX Runtime's
-    training optimizer fuses into a ScaledSum (rewrites.sum_of_quotients)."""
+    training optimizer fuses into a ScaledSum (rewrites.arithmetic.sum_of_quotients)."""
 
     def __init__(self, third):
         super().__init__()
@@ -793,7 +793,7 @@ class TableFilledAtTheFirstCall(nn.Module):
 
 def test_forward_that_sets_its_state_at_the_first_call_only_trains_like_torch():
     """The trace's forward is the module's first in training mode: the graph is traced again from the state it left
-    (export._export_from_the_state_of_a_first_call), not refused as a change of state."""
+    (trace._export_from_the_state_of_a_first_call), not refused as a change of state."""
     torch.manual_seed(0)
     run_parity(TableFilledAtTheFirstCall(), _random_pairs(4, 4), optim.SGDConfig(lr=0.1), sgd, loss_fn=F.mse_loss)
 
@@ -1691,7 +1691,7 @@ def test_values_computed_under_no_grad_in_forward_get_no_gradient_as_in_torch():
 
 def test_a_graph_first_built_by_an_eval_step_under_no_grad_trains_as_torch():
     """The export traces with autograd on whatever the caller's mode: under the caller's torch.no_grad() every
-    op would be recorded as detached (export._NoGradResultsDetached) and the graph would train nothing."""
+    op would be recorded as detached (trace._NoGradResultsDetached) and the graph would train nothing."""
     torch.manual_seed(0)
     model = MLP()
     reference = copy.deepcopy(model)
@@ -1832,9 +1832,9 @@ def test_cross_entropy_whose_ignore_index_is_a_size_trains_as_torch_at_two_lengt
                reference_loss=lambda module, batch: module(*batch))  # fmt: skip
 
 
-@pytest.mark.parametrize("name", sorted(export.GRADIENT_OF_THEIR_FORWARD))
+@pytest.mark.parametrize("name", sorted(refusals.GRADIENT_OF_THEIR_FORWARD))
 def test_functions_trained_as_their_forward_have_its_gradient_at_edge_values(name):
-    """The custom autograd Functions the trainer exports as their forward (export.GRADIENT_OF_THEIR_FORWARD):
+    """The custom autograd Functions the trainer exports as their forward (refusals.GRADIENT_OF_THEIR_FORWARD):
     their backward equals autograd of their forward in float64, edge values included."""
     module_name, _, qualname = name.rpartition(".")
     function = getattr(pytest.importorskip(module_name, reason="the Function's library is not installed"), qualname)
@@ -2441,7 +2441,7 @@ def test_roots_sorts_distances_and_floor_division_train_under_mixed_precision(ma
 
 class RootOfAClampByARunTimeBound(nn.Module):
     """``h.clamp(min=bound).sqrt()`` with the bound computed in forward: the Clip keeps ONNX Runtime's gradient
-    (rewrites.select_before_singular takes constant bounds only) and trains as torch where the bound is positive."""
+    (rewrites.activations.select_before_singular takes constant bounds only) and trains as torch where the bound is positive."""
 
     def __init__(self):
         super().__init__()

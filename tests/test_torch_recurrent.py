@@ -20,7 +20,7 @@ from parity import cpu_options, run_parity
 
 from orttrainer import ORTTrainer, optim
 from orttrainer.runtime import torch_ops
-from orttrainer.graph.graph import GradientBuildError
+from orttrainer.graph.graph_errors import GradientBuildError
 from orttrainer.runtime.torch_convolutions import SplitSession
 from orttrainer.runtime.torch_recurrent import GRU, LSTM, RNN, onnx_parameter_gradients, recurrent, torch_parameters
 
@@ -254,14 +254,14 @@ def test_an_rnn_in_a_graph_left_whole_is_refused_before_onnx_runtime_runs_its_pl
     (one the split cannot cut) is refused by the RNN's module, not left to fail inside a run."""
     import onnx
 
-    from orttrainer.graph import graph
+    from orttrainer.graph import training_graph
 
     path = tmp_path / "train.onnx"
     trainer = ORTTrainer(Tagger(layer=nn.RNN), None, optim.SGDConfig(lr=0.1), loss_fn=_loss,
                          options=cpu_options({"debug": {"graph_save_paths": {"model_with_training_graph_path": str(path)}}}))  # fmt: skip
     trainer.train_step(*_batches([(2, 5)])[0])
     with pytest.raises(GradientBuildError, match=r"RNN \(node '/model/lstm/RNN', module 'lstm'\): this graph cannot be split"):
-        graph.refuse_recurrent_layers_onnx_runtime_cannot_train(onnx.load(path))
+        training_graph.refuse_recurrent_layers_onnx_runtime_cannot_train(onnx.load(path))
 
 
 class Encoder(nn.Module):

@@ -301,7 +301,7 @@ def gpt2_lm():
 
 def bloom_lm():
     """BLOOM: ALiBi attention biases, its tanh GELU through a custom autograd Function whose backward is the
-    gradient of its forward (export.GRADIENT_OF_THEIR_FORWARD)."""
+    gradient of its forward (refusals.GRADIENT_OF_THEIR_FORWARD)."""
     import transformers
 
     config = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=2, hidden_dropout=0.0,
@@ -388,7 +388,7 @@ def nllb_moe_generator():
 
 def squeezebert_classifier():
     """Grouped 1-d convolutions in place of every dense layer (groups 2): ONNX Runtime's CPU gradient of a grouped
-    1-d convolution wrote past its end (rewrites.grouped_convolution), which gave this model a loss of -0."""
+    1-d convolution wrote past its end (rewrites.convolutions.grouped_convolution), which gave this model a loss of -0."""
     import transformers
 
     groups = dict.fromkeys(("q_groups", "k_groups", "v_groups", "post_attention_groups", "intermediate_groups", "output_groups"), 2)
@@ -495,7 +495,7 @@ def wav2vec2_audio_classifier(**config_changes):
     """Wav2Vec2 on raw audio: a strided Conv1d feature extractor with GroupNorm, a grouped positional
     convolution under weight norm, an attention encoder, mean pooling into a classifier. Its attention's
     gradient came out wrong under ONNX Runtime's MatMulScaleFusion (session._DISABLED_OPTIMIZERS), most likely
-    from the grouped convolution's gradient writing past its end (rewrites.grouped_convolution)."""
+    from the grouped convolution's gradient writing past its end (rewrites.convolutions.grouped_convolution)."""
     import transformers
 
     config = transformers.Wav2Vec2Config(

@@ -145,3 +145,28 @@ def _field(name, value, model_name):
         f"tuples of tensors and ModelOutputs or dicts of these (None and '{GENERATION_CACHE}' are left out). Turn off "
         "what produces it (e.g. config.use_cache=False, output_attentions=False), or return a tensor"
     )
+
+
+def requested_outputs(model_desc, fetches: list) -> list:
+    """The output names a step returns: the model_desc's, or the legacy ``fetches`` (TrainStepInfo) when set."""
+    names = [entry.name for entry in model_desc.outputs]
+    if not fetches:
+        return names
+    unknown = [name for name in fetches if name not in names]
+    if unknown:
+        raise RuntimeError(f"The specified fetches list contains invalid output names {unknown}; outputs are {names}")
+    return list(fetches)
+
+
+def selected_outputs(model_desc, outputs: list, requested: list, fetches: list):
+    """The ``requested`` ones of a run's ``outputs`` (in model_desc order), as a step returns them."""
+    by_name = dict(zip([entry.name for entry in model_desc.outputs], outputs))
+    return packed_outputs(model_desc, [by_name[name] for name in requested], fetches)
+
+
+def packed_outputs(model_desc, selected: list, fetches: list):
+    """The outputs in the model's form (its ModelOutput or dict, when it returned one and no fetches are set), else
+    the legacy list, a single tensor bare."""
+    form = model_desc.form
+    return form.pack(selected) if form is not None and not fetches else as_list(selected)
+

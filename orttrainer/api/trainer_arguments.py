@@ -47,7 +47,7 @@ def check_trainer_arguments(model, model_desc, optim_config, loss_fn, options):
 def _refuse_wrapped_module(model: torch.nn.Module) -> None:
     """torch.compile's and data parallelism's wrappers change how torch runs a module, not what it computes, and
     orttrainer does both jobs itself: the module to pass is the one inside (its state_dict names have no wrapper's
-    prefix). (A TorchScript module is refused at the export, with its scripted submodules: export.py.)"""
+    prefix). (A TorchScript module is refused at the export, with its scripted submodules: export/refusals.py.)"""
     inner = getattr(model, "_orig_mod", None) if type(model).__name__ == "OptimizedModule" else None
     if isinstance(inner, torch.nn.Module):
         raise _argument_error(TypeError, "'model' must be the module to train, not torch.compile's wrapper of it", model,

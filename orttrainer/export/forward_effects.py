@@ -9,10 +9,10 @@ the first step's world while torch's loop carries on:
 - changes to the modules' own state: Python attributes, tensors replaced or changed through ``.data``, parameters
   changed in forward, the variables forward hooks close over (``module_state`` before, ``state_changes`` after).
 
-export.py takes these snapshots around its runs of forward and refuses with what they find; ``user_location``
-names the user's line of a finding or of an exporter warning. A third kind, the Python values forward reads from the
-script (``values_read_by_name``: globals, ``args.tau``), is the same at the export and changes later: module_edits.py
-compares them at every step.
+as_trained.py and trace.py take these snapshots around their runs of forward, refusals.py refuses with what they
+find; ``user_location`` names the user's line of a finding or of an exporter warning. A third kind, the Python
+values forward reads from the script (``values_read_by_name``: globals, ``args.tau``), is the same at the export
+and changes later: module_edits.py compares them at every step.
 """
 
 import argparse
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 _TORCH_DIRECTORY = os.path.dirname(torch.__file__) + os.sep
-ORTTRAINER_DIRECTORY = os.path.dirname(__file__) + os.sep
+ORTTRAINER_DIRECTORY = os.path.dirname(os.path.dirname(__file__)) + os.sep  # the package, above export/
 # Where installed code lives (the standard library, site-packages): its globals are its own, not the training script's.
 _INSTALLED_DIRECTORIES = tuple({sysconfig.get_paths()[key] + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib")})
 _MISSING = object()
@@ -128,7 +128,7 @@ def draws_decide_nothing(serialized: bytes, export_again, module: torch.nn.Modul
     the highest: a draw compared with a probability of 0 (transformers' MusicGen draws LayerDrop's number at every
     layer, whatever ``layerdrop``) decides nothing the graph holds. A draw the forcing does not reach (another
     function of the generators) decides against. The module's tensors are put back after the two exports (the
-    graphs hold none of their values: they are graph inputs, export.export_to_onnx)."""
+    graphs hold none of their values: they are graph inputs, trace.export_to_onnx)."""
     with buffers_kept(module):
         for value in (0.0, 1.0 - 2.0**-53):
             before = generator_states()

@@ -101,3 +101,49 @@ def module_as_built(model: torch.nn.Module, loss_fn) -> ModuleAsBuilt:
     storages = [(what, tensor, tensor.data_ptr()) for what, tensor in tensors.values()]
     constants = [(what, tensor, tensor._version) for key, (what, tensor) in tensors.items() if key not in in_state]
     return ModuleAsBuilt(requires_grad, training, values, objects, sizes, storages, constants)
+
+
+def refuse_setting_changes(options_given, settings_as_built, optim_config) -> None:
+    """ValueError naming what changed since the trainer took it: the ORTTrainerOptions the user passed (the trainer
+    keeps a copy), the options and optim_config the build took (all but the learning rate and the options read at
+    every step), and optim_config's hyper-parameter attributes as created (the update reads its defaults and
+    groups)."""
+    given = changed_values(options_given)
+    if given:
+        raise ValueError(
+            f"since the trainer was created, {'; '.join(given)} in the ORTTrainerOptions passed to it: the trainer "
+            "keeps a copy of them, taken then, which these changes do not reach. Change trainer.options instead "
+            "(before the first step; batch.gradient_accumulation_steps and lr_scheduler also between steps)"
+        )
+    changed = changed_values(settings_as_built)
+    if changed:
+        raise ValueError(
+            f"since the trainer built its graphs and update (at its first step; an ONNX model's when it was created), "
+            f"{'; '.join(changed)}: the trainer took these then, so the change would not apply. Set them before, or "
+            "go on in a new trainer created with them, from this one's state "
+            "(new_trainer.load_state_dict(trainer.state_dict()))"
+        )
+    set_since = optim_config.attributes_set_since_creation()
+    if set_since:
+        attribute = next(iter(set_since))
+        raise ValueError(
+            f"{'; '.join(set_since.values())}: the update takes the hyper-parameters of optim_config.defaults and "
+            "params, filled in when the config is created, not its attributes. Create the config with the value, "
+            f"e.g. {type(optim_config).__name__}({attribute}={getattr(optim_config, attribute)!r})"
+        )
+
+
+def refuse_module_changes(built_from: ModuleAsBuilt, training: bool) -> None:
+    """ValueError naming what changed of the user's module since its first step: the graphs hold its structure, modes
+    and the values its forward read then, and the sessions read the memory of its weights, so such a change would
+    not reach the step, without a word. Values written into its weights do reach it. With ``training`` False
+    (eval_step) the weights' requires_grad and the modules' modes do not count."""
+    changed = built_from.changes(training)
+    if changed:
+        raise ValueError(
+            f"since the trainer's first step, {'; '.join(changed)}: the trainer's graphs hold the module as it was "
+            "then, with the values its forward read then, which these changes do not reach. Freeze weights, set "
+            "modes and attributes before creating the trainer (requires_grad or options utils.frozen_weights; "
+            "eval() on a submodule); pass a value that changes between steps as an argument of forward (a tensor, "
+            "or a number: a graph per value); or create a new trainer"
+        )

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.overrides import TorchFunctionMode
 
-from . import export, forward_effects
+from . import as_trained, forward_effects
 
 # Relative tolerance by the dtype ONNX Runtime computed in. The absolute tolerance is the
 # same fraction of the tensor's largest magnitude (sums of many terms cancel), plus a
@@ -209,9 +209,9 @@ def _run_holding(module, loss_fn, forward_names, constants, inputs, weights: dic
             continue
         seen.add(memory)
         leaves[name] = tensor.detach().requires_grad_(name in trained and tensor.is_floating_point())
-        given[f"wrapper.{export.WRAPPED}{name}"] = leaves[name]
+        given[f"wrapper.{as_trained.WRAPPED}{name}"] = leaves[name]
     buffer_names = [name for name in leaves if name not in dict(module.named_parameters())]
-    wrapper = export.with_loss(module, loss_fn, forward_names, constants)
+    wrapper = as_trained.with_loss(module, loss_fn, forward_names, constants)
     step = _ForwardAndGradients(wrapper, leaves, buffer_names, loss_index, keep)
     return torch.func.functional_call(step, given, tuple(inputs), strict=False)
 
@@ -233,7 +233,7 @@ def torch_step(module, loss_fn, forward_names, inputs, weights: dict, output_nam
         dense = _dense(gradient, weights[name])
         return Projected.of(dense) if projected else dense
 
-    with export.as_trained(module), _without_activation_checkpointing(module), torch.enable_grad(), _NoDropout():
+    with as_trained.as_trained(module), _without_activation_checkpointing(module), torch.enable_grad(), _NoDropout():
         outputs, buffers, gradients = _run_holding(module, loss_fn, forward_names, constants, inputs, weights, trained,
                                                    output_names.index(loss_name), keep)  # fmt: skip
     gradients = {name: gradients[name] if name in gradients else keep(name, None) for name in trained}
@@ -245,7 +245,7 @@ def torch_eval(module, loss_fn, forward_names, inputs, weights: dict, output_nam
 
     Grad mode stays on, as in the trace: without it ``nn.MultiheadAttention`` and the transformer layers take a
     fast path in eval mode, which gives the padded positions other values. Autograd keeps no activations."""
-    with export.as_trained(module, eval_mode=True), torch.enable_grad(), export.keeping_no_activations():
+    with as_trained.as_trained(module, eval_mode=True), torch.enable_grad(), as_trained.keeping_no_activations():
         outputs, _, _ = _run_holding(module, loss_fn, forward_names, constants, inputs, weights)
     return StepResult(dict(zip(output_names, (out.detach().cpu() for out in outputs))), {})
 

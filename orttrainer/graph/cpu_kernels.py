@@ -6,7 +6,7 @@ several times slower than the same arithmetic spelled with ONNX Runtime's vector
 elementwise ops (measured in benchmarks/NOTES.md): the softmax cross-entropy loss and its
 gradient, the GELU (erf and tanh forms), ReLU, max-pool and layer-norm gradients, and the scatter
 of a constant-index Gather's gradient. Each function below emits,
-through a :class:`~orttrainer.rewrites.NodeBuilder`, the same values with fast ops; values and
+through a :class:`~orttrainer.graph.rewrites._building.NodeBuilder`, the same values with fast ops; values and
 gradients are checked against the originals in tests/test_cpu_kernels.py and against torch,
 also at boundary values (-inf logits, ignored labels, NaN), in tests/test_boundary_values.py.
 Before the gradient is built, ``pool_before_relu`` also moves ReLUs behind the max pools they feed,

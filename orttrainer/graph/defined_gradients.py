@@ -58,7 +58,7 @@ _HARD_SWISH_GRADIENT = [
 ]
 
 # torch's hardsigmoid_backward: grad / 6 strictly between the kinks, 0 at and beyond them (a HardSigmoid of
-# another alpha or beta is rewritten before the build, rewrites.hard_sigmoid)
+# another alpha or beta is rewritten before the build, rewrites.activations.hard_sigmoid)
 _HARD_SIGMOID_GRADIENT = [
     _constant("minus_three", -3.0),
     _constant("three", 3.0),
@@ -155,7 +155,7 @@ def _torch_hard_swish(build: NodeBuilder):
 
 def _torch_hard_sigmoid(build: NodeBuilder):
     """min(max(x + 3, 0), 6) / 6, torch's hardsigmoid in its order of operations; another alpha or beta is kept
-    (rewritten before the build when it is trained, rewrites.hard_sigmoid)."""
+    (rewritten before the build when it is trained, rewrites.activations.hard_sigmoid)."""
     if not is_torch_hard_sigmoid(build.node):
         return False
     build.op("Div", [_clipped_x_plus_three(build), build.const(6.0)], build.node.output[0])

@@ -37,7 +37,8 @@ import onnx
 import torch
 from onnx import helper
 
-from .graph import RANDOM_OPS, module_path
+from .dropout import RANDOM_OPS
+from .graph_errors import module_path
 from ..runtime.session import IN_LISTED_ORDER
 
 CHECKPOINTED_KEY = "orttrainer.checkpointed_modules"  # forward graph metadata: JSON, the module names per checkpoint call

@@ -1,13 +1,13 @@
 """From a torch module (or a forward+loss ONNX model), its loss and a first batch to a ready Runtime.
 
-``TorchSource.export`` exports the module and loss at one batch (export.py) and ``from_torch``
+``TorchSource.export`` exports the module and loss at one batch (export/trace.py) and ``from_torch``
 builds that export; ``from_onnx`` takes the graph as given. Both pick the weights to train
 (parameters, or float initializers, that reach the loss), build the training and eval graphs
-(graph.py), open the two sessions bound to the weight tensors (session.py) and, on several
+(training_graph.py), open the two sessions bound to the weight tensors (session.py) and, on several
 ranks, check that every rank built the same graph and start from rank 0's weights. A torch
 module gets one graph per batch shape signature where its trace needs it (graph_cache.py):
 ``from_torch(..., shared=runtime)`` builds another graph over the same weights and state.
-The forward graph's shape inference (graph.TensorFacts) is done once per build and handed
+The forward graph's shape inference (tensor_facts.TensorFacts) is done once per build and handed
 to each pass that reads it.
 
 The :class:`Runtime` holds what a step uses: the sessions, weights, BatchNorm statistics,
@@ -24,8 +24,11 @@ import onnxruntime
 import torch
 from onnx import numpy_helper
 
-from ..graph import cpu_kernels, defined_gradients, graph, recompute, rewrites
-from ..export import export, verify
+from ..graph import (
+    convolution_work, cpu_kernels, defined_gradients, dropout, eval_graph, float16, graph_edits, graph_errors, index_ranges,
+    outputs_for_trainer, recompute, rewrites, tensor_facts, training_graph,
+)
+from ..export import as_trained, refusals, trace, verify
 from .. import progress
 from . import session, torch_convolutions
 from ..api.model_desc import _ORTTrainerModelDesc, forward_keywords, forward_parameters, infer_model_desc
@@ -59,9 +62,9 @@ class Runtime:
         # mixed precision: the scale the loss is multiplied by, else None; dropout scale 0 turns dropout off (the check)
         self.loss_scale, self.dropout_scale = scales
         if self.loss_scale is not None:
-            self.train_session.bind_input(graph.LOSS_SCALE_INPUT, self.loss_scale)
-        if graph.DROPOUT_SCALE_INPUT in self.train_session.input_names:
-            self.train_session.bind_input(graph.DROPOUT_SCALE_INPUT, self.dropout_scale)
+            self.train_session.bind_input(float16.LOSS_SCALE_INPUT, self.loss_scale)
+        if dropout.DROPOUT_SCALE_INPUT in self.train_session.input_names:
+            self.train_session.bind_input(dropout.DROPOUT_SCALE_INPUT, self.dropout_scale)
         self.dropout_fixed = scales[0] is not None and any(node.op_type == "Dropout" for node in graphs.train.graph.node)
         self.embeddings = graphs.embedding_gradients
         for embedding in self.embeddings:
@@ -90,7 +93,7 @@ class Runtime:
             outputs = self.train_session.run()
         except RuntimeError as error:
             self.restore_batch_norms()
-            raise graph.run_error(error, self.empty_inputs) from error
+            raise graph_errors.run_error(error, self.empty_inputs) from error
         _check_values_per_channel(self.batch_norms)
         count = len(self.model_desc.outputs)
         return outputs[:count], outputs[count:]
@@ -117,14 +120,14 @@ class Runtime:
         try:
             return self.eval_session.run()
         except RuntimeError as error:
-            raise graph.run_error(error, self.empty_inputs) from error
+            raise graph_errors.run_error(error, self.empty_inputs) from error
 
     def check_batch(self, inputs) -> None:
         """Before any run: token ids and class targets inside the range torch accepts
-        (graph.index_ranges, found at the first batch)."""
+        (index_ranges.index_ranges, found at the first batch)."""
         by_name = {entry.name: tensor for entry, tensor in zip(self.model_desc.inputs, inputs)}
         if self.index_ranges is None:
-            self.index_ranges = graph.index_ranges(self.onnx_model, {name: list(t.shape) for name, t in by_name.items()})
+            self.index_ranges = index_ranges.index_ranges(self.onnx_model, {name: list(t.shape) for name, t in by_name.items()})
         for bound in self.index_ranges:
             _check_index_range(bound, by_name[bound.input])
 
@@ -146,13 +149,15 @@ class Runtime:
         """The forward graph in inference mode (dropout off, BatchNorm on running statistics), without the loss
         unless ``with_loss``; its weights stay graph inputs (``onnx_file.save`` writes them from ``weights``)."""
         model = copy.deepcopy(self.onnx_model)
-        graph.set_inference_mode(model)
+        eval_graph.set_inference_mode(model)
         if not with_loss:
             loss = self.model_desc.loss_output.name
-            graph.keep_outputs(model, [entry.name for entry in self.model_desc.outputs if entry.name != loss])
+            eval_graph.keep_outputs(model, [entry.name for entry in self.model_desc.outputs if entry.name != loss])
         leave_out = " (save_as_onnx(path, with_loss=False) leaves the loss out)" if with_loss else ""
-        graph.refuse_ctc_losses(model, f"a plain onnxruntime.InferenceSession cannot run the saved graph{leave_out}", ValueError)
-        graph.spell_batch_statistics_norms(model)
+        training_graph.refuse_ctc_losses(
+            model, f"a plain onnxruntime.InferenceSession cannot run the saved graph{leave_out}", ValueError
+        )
+        eval_graph.spell_batch_statistics_norms(model)
         return model
 
 
@@ -181,8 +186,8 @@ class TorchExport:
     outputs: list  # torch's outputs for this batch (eval mode, no autograd), the loss among them
     state: dict  # the module's state_dict tensors themselves (detached: the trainer's weights are these)
     onnx_model: onnx.ModelProto
-    lookups: dict  # {Gather node name: export.EmbeddingLookup}
-    frozen_values: list  # where the trace froze a value of this batch (export._FROZEN_VALUE)
+    lookups: dict  # {Gather node name: exported_graph.EmbeddingLookup}
+    frozen_values: list  # where the trace froze a value of this batch (exporter_warnings._FROZEN_VALUE)
 
 
 class TorchSource:
@@ -192,7 +197,7 @@ class TorchSource:
     trainer's, the module is moved there first, as a torch loop does with ``model.to(device)``."""
 
     def __init__(self, model, loss_fn, input_names, options, model_desc, device):
-        export.refuse_unexportable(model)
+        refusals.refuse_unexportable(model)
         if any(tensor.device != device for tensor in [*model.parameters(), *model.buffers()]):
             model.to(device)
         self.module, self.device = model, device
@@ -207,23 +212,23 @@ class TorchSource:
 
         ``compared_only``: the graph is only compared with the one built at the same shapes from other
         values (graph_cache's values check); the custom-backward check that build ran is not repeated.
-        A branch on the values themselves is refused by every export (``export._ValuesTurnedPython``).
+        A branch on the values themselves is refused by every export (``exporter_warnings.ValuesTurnedPython``).
         """
         with progress.phase(f"exported {self.described} at {[list(tensor.shape) for tensor in inputs]}"), \
-                export.as_trained(self.module):
+                as_trained.as_trained(self.module):
             return self._export(input_names, inputs, constants, compared_only)
 
     def _export(self, input_names, inputs, constants, compared_only) -> TorchExport:
         module, loss_fn = self.module, self.loss_fn
         # forward may change what it is given
         batch = [tensor.detach().to(self.device, copy=True) for tensor in inputs]
-        outputs, form = export.sample_outputs(module, loss_fn, self.forward_names, batch, constants)
+        outputs, form = as_trained.sample_outputs(module, loss_fn, self.forward_names, batch, constants)
         outputs = list(outputs)
         desc = self.model_desc or infer_model_desc(input_names, batch, outputs, form)
         # given the loss, the trace refuses custom backwards (not again where the graph is only compared with one built)
         loss_index = None if compared_only else _loss_index(desc, outputs, loss_fn, inferred=self.model_desc is None)
         with recompute.checkpointed_modules(module) as checkpointed:  # carried to the build in the graph's metadata
-            onnx_model, lookups, frozen_values = export.export_to_onnx(
+            onnx_model, lookups, frozen_values = trace.export_to_onnx(
                 module, batch, loss_fn, self.forward_names, [(entry.name, entry.shape) for entry in desc.inputs],
                 [(entry.name, entry.shape) for entry in desc.outputs], self.options._internal_use.onnx_opset_version,
                 constants=constants, loss_index=loss_index,
@@ -243,7 +248,7 @@ def from_torch(source, exported, device, providers, data_parallel=None, shared=N
     """
     options, desc, module = source.options, exported.desc, source.module
     onnx_model = _postprocess(exported.onnx_model, options._internal_use.extra_postprocess)
-    facts = graph.infer_tensor_facts(onnx_model)
+    facts = tensor_facts.infer_tensor_facts(onnx_model)
     trainable = _trainable(module, onnx_model, desc.loss_output.name, options, facts)
     # the first-step check's torch side, taken before any ONNX Runtime memory exists (NOTES.md §18)
     checked = options.debug.check_against_torch != "off" and not _random_draws_refuse_the_check(onnx_model)
@@ -410,7 +415,7 @@ def _trainable(module, onnx_model, loss_name, options, facts) -> list:
         )
         return []
     # a weight that reaches only other outputs gets no gradient in torch (grad None): it is not trained
-    return graph.weights_reaching_loss(onnx_model, requires_grad, loss_name, facts)
+    return training_graph.weights_reaching_loss(onnx_model, requires_grad, loss_name, facts)
 
 
 def _aliases(module: torch.nn.Module) -> dict:
@@ -424,7 +429,7 @@ def _aliases(module: torch.nn.Module) -> dict:
 
 def _batch_counters(module: torch.nn.Module, state: dict) -> dict:
     """``num_batches_tracked`` of every BatchNorm that counts in the modes it trains in (the graph does not)."""
-    with export.as_trained(module):
+    with as_trained.as_trained(module):
         return {
             f"{path}.num_batches_tracked": state[f"{path}.num_batches_tracked"]
             for path, layer in module.named_modules()
@@ -437,7 +442,7 @@ def from_onnx(model: onnx.ModelProto, options, model_desc, device, providers, da
     """An ONNX forward+loss model (the trainer's own copy): float initializers that reach the loss are
     trained, unless frozen or BatchNorm statistics. ``model_desc`` None: the graph's inputs and outputs,
     the first output the loss."""
-    graph.name_unnamed_nodes(model.graph)
+    graph_edits.name_unnamed_nodes(model.graph)
     model_desc = model_desc or _model_desc_of(model)
     frozen_names = set(options.utils.frozen_weights)
     weights = {
@@ -445,10 +450,10 @@ def from_onnx(model: onnx.ModelProto, options, model_desc, device, providers, da
         for init in model.graph.initializer
         if session.torch_dtype(init.data_type).is_floating_point
     }
-    buffers = graph.batch_norm_statistics(model)
+    buffers = outputs_for_trainer.batch_norm_statistics(model)
     candidates = [name for name in weights if name not in frozen_names and name not in buffers]
-    facts = graph.infer_tensor_facts(model)
-    trainable = graph.weights_reaching_loss(model, candidates, model_desc.loss_output.name, facts)
+    facts = tensor_facts.infer_tensor_facts(model)
+    trainable = training_graph.weights_reaching_loss(model, candidates, model_desc.loss_output.name, facts)
     return _build(model, model_desc, weights, trainable, options, device, providers, data_parallel, facts)
 
 
@@ -472,14 +477,14 @@ def _build(onnx_model, model_desc, weights, trainable, options, device, provider
     the graph is built at, when there is one."""
     frozen = [name for name in weights if name not in trainable]
     mixed_precision = options.mixed_precision.enabled
-    one_thread = device.type == "cpu" and graph.small_convolutions_dominate(onnx_model, facts)
+    one_thread = device.type == "cpu" and convolution_work.small_convolutions_dominate(onnx_model, facts)
     convolutions = _convolutions_on_torch(options, device, onnx_model, sample_shapes or {})
     nodes = onnx_model.graph.node
     keep_for_torch = torch_convolutions.op_types_for_torch(nodes) if convolutions and torch_convolutions.runs_convolutions(
         nodes) else ()  # fmt: skip
     described = progress.size_of(weights[name] for name in trainable)
     with progress.phase(f"built the training graph ({described} to train)"):
-        graphs = graph.build_training_graphs(
+        graphs = training_graph.build_training_graphs(
             onnx_model, trainable, frozen, model_desc.loss_output.name, [entry.name for entry in model_desc.outputs],
             mixed_precision, on_cpu=device.type == "cpu", lookups=lookups, facts=facts, keep_for_torch=keep_for_torch,
             recurrent_on_torch=_splits_for_torch(options, device),
@@ -502,12 +507,12 @@ def _build(onnx_model, model_desc, weights, trainable, options, device, provider
 def _convolutions_on_torch(options, device, onnx_model, sample_shapes: dict) -> bool:
     """Whether a graph's convolutions run on torch's kernels (torch_convolutions.py): on the CPU in float32,
     by ``utils.convolution_kernels``; "auto": where they are enough work per convolution on the batch
-    of ``sample_shapes`` to pay for the boundaries (``graph.convolutions_worth_splitting``;
+    of ``sample_shapes`` to pay for the boundaries (``convolution_work.convolutions_worth_splitting``;
     benchmarks/NOTES.md §18, §26, §34). Not when the optimized graph is saved (one graph to save)."""
     kernels = options.utils.convolution_kernels
     if not _splits_for_torch(options, device) or kernels == "onnxruntime":
         return False
-    return kernels == "torch" or graph.convolutions_worth_splitting(onnx_model, sample_shapes)
+    return kernels == "torch" or convolution_work.convolutions_worth_splitting(onnx_model, sample_shapes)
 
 
 def _splits_for_torch(options, device) -> bool:
@@ -548,14 +553,14 @@ def _open_sessions(graphs, device, providers, options, one_thread: bool, convolu
             cpu_kernels.use_exact_cpu_kernels(model, keep_op_types=replaced)
             defined_gradients.spell_forwards(model)
         if device.type == "cpu":
-            graph.refuse_recurrent_layers_onnx_runtime_cannot_train(model)
+            training_graph.refuse_recurrent_layers_onnx_runtime_cannot_train(model)
         return open_session(model, optimized_model_path=optimized_model_path)
 
     try:  # only the training graph goes to the save path: the eval session would overwrite it
         train = open_graph(graphs.train, debug.graph_save_paths.model_with_training_graph_after_optimization_path)
         return train, open_graph(graphs.eval)
     except onnxruntime.capi.onnxruntime_pybind11_state.NotImplemented as error:
-        raise graph.missing_kernel_error(error, device, graphs.train) from error
+        raise graph_errors.missing_kernel_error(error, device, graphs.train) from error
 
 
 def _record_input_types(model_desc, eval_model) -> None:
@@ -584,7 +589,7 @@ def _random_draws_refuse_the_check(model: onnx.ModelProto) -> bool:
     """Warn and return True when the forward draws random numbers besides dropout (a stochastic depth's
     bernoulli_, noise): torch and ONNX Runtime cannot draw them alike, so the first-step check could not
     compare (its rounding estimate, rerunning torch, would excuse any difference instead)."""
-    draws = [graph.describe_node(node) for node in model.graph.node if node.op_type in graph.RANDOM_OPS]
+    draws = [graph_errors.describe_node(node) for node in model.graph.node if node.op_type in dropout.RANDOM_OPS]
     if draws:
         warnings.warn(
             f"orttrainer: debug.check_against_torch skipped for this graph: its forward draws random numbers, which torch "
@@ -623,7 +628,7 @@ class _BatchNormStatistics:
         self.mean = weights[stats.mean_input]
         self.var = weights[stats.var_input]
         self.momentum = stats.momentum
-        self.module = graph.module_path(stats.node_name)
+        self.module = graph_errors.module_path(stats.node_name)
         self.new_mean = torch.empty_like(self.mean)
         self.new_var = torch.empty_like(self.var)
         self.old_mean = torch.empty_like(self.mean)

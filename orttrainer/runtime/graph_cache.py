@@ -13,12 +13,12 @@ statistics, scales and checkpoint serve all graphs. At most ``MAX_GRAPHS`` built
 kept; the least recently used is dropped with its sessions, and a warning says once that the
 shapes keep changing.
 
-A trace that froze values of its batch (``export._FROZEN_VALUE``: a tensor turned into a Python
+A trace that froze values of its batch (``exporter_warnings._FROZEN_VALUE``: a tensor turned into a Python
 number or bool) is right when those values come from shapes or constants, wrong when they come
 from the data. The export refuses a value it traces back to the data or the weights
-(``export._ValuesTurnedPython``); for the others (an iteration over a tensor, a ``torch.tensor``
+(``exporter_warnings.ValuesTurnedPython``); for the others (an iteration over a tensor, a ``torch.tensor``
 made in forward) the first batch of the signature with other values is exported once more and
-must give the same graph (``export.refuse_data_dependent_trace``).
+must give the same graph (``exporter_warnings.refuse_data_dependent_trace``).
 """
 
 import collections
@@ -29,7 +29,7 @@ import onnx
 import torch
 
 from . import build
-from ..export import export
+from ..export import exporter_warnings
 
 MAX_GRAPHS = 8  # built graphs kept (each holds a training and an eval session)
 
@@ -55,7 +55,7 @@ class _ValuesCheck:
         if all(torch.equal(first, now.to(first.device)) for first, now in zip(self.first_inputs, inputs)):
             return False
         again = source.export(input_names, inputs, self.constants, compared_only=True)
-        export.refuse_data_dependent_trace(self.structure, _structure(again.onnx_model), self.locations)
+        exporter_warnings.refuse_data_dependent_trace(self.structure, _structure(again.onnx_model), self.locations)
         return True
 
 

@@ -131,7 +131,7 @@ def device_providers(device: torch.device, mem_limit: int = 0, provider_options=
 # gradients were written into the trainer's own buffers, and right when ONNX Runtime allocated them
 # (docs/stack_facts.md); the scalar multiplications it would fold cost nothing measurable (NOTES.md §37). Most likely
 # the cause was ONNX Runtime's grouped 1-d ConvGrad writing past its end (Wav2Vec2's positional convolution), which
-# rewrites.grouped_convolution now avoids; the transformer stays off, as it costs nothing. Pad_Fusion (the rule of
+# rewrites.convolutions.grouped_convolution now avoids; the transformer stays off, as it costs nothing. Pad_Fusion (the rule of
 # PadFusion; "PadFusion" is ignored) folds a zero Pad into the MaxPool or AveragePool after it as the pool's own
 # padding, which a MaxPool takes as -inf and an AveragePool without count_include_pad leaves out of its count: a
 # ZeroPad2d before a MaxPool2d evaluated 0.57 off torch (the eval graph keeps ONNX Runtime's MaxPool under mixed

@@ -14,7 +14,7 @@ ONNX Runtime runs neither node. In a split session the training graph's forward 
 recording (``torch.autograd.grad``): torch's kernel both ways, reduction and ``zero_infinity`` included,
 so for the log_probs they are handed the loss and its gradient are torch's to the bit. The eval graph's
 node runs the same call without autograd. So a CTC loss trains only where the graph is split for torch (on the CPU, without mixed
-precision); elsewhere graph.py refuses it.
+precision); elsewhere training_graph.py refuses it.
 """
 
 import onnx

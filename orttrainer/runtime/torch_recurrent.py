@@ -14,7 +14,7 @@ onnxruntime-training has no gradient at all for ``RNN`` (``nn.RNN``). Its gradie
 builder as one placeholder node (``RNN_GRADIENT``, defined_gradients.py) that ONNX Runtime never runs:
 the training graph's ``RNN`` runs as ``aten::rnn_tanh`` / ``aten::rnn_relu``, recorded, and the
 placeholder as torch's autograd, as for the other two. So an RNN trains only where the graph is split
-for torch (on the CPU in float32); elsewhere graph.make_differentiable refuses it.
+for torch (on the CPU in float32); elsewhere training_graph.make_differentiable refuses it.
 
 ONNX orders the gates of an LSTM input, output, forget, cell (torch: i, f, g, o) and of a GRU
 update, reset, hidden (torch: r, z, n), and lays outputs out as [sequence, direction, batch,

@@ -3,12 +3,14 @@
 Gradients live in one flat tensor per dtype (``flat``), seen per weight as views (``sums``),
 so that ranks all-reduce them in one call per dtype. The first run of an accumulation window
 writes straight into the sums; the other runs of the window write into a scratch set that is
-then added. Embedding lookups get their weight gradients from torch (graph.EmbeddingGradient):
+then added. Embedding lookups get their weight gradients from torch (outputs_for_trainer.EmbeddingGradient):
 the run returns the looked-up rows' gradients and their indices, which are scatter-added into
 the buffers the run wrote. A trainer with several graphs (one per batch shape signature,
 graph_cache.py) has one Gradients: ``attach`` points it at the training session of the graph
 that runs next, so that every graph writes into the same buffers.
 """
+
+import math
 
 import torch
 
@@ -108,3 +110,19 @@ def _flat_buffers(like: dict):
             offset += size
         flats.append(flat)
     return flats, {name: views[name] for name in like}
+
+
+def window_size(steps: int, before, step: int) -> int:
+    """``batch.gradient_accumulation_steps`` (``steps``; ``before`` at the last step), which may change only where a
+    window of the old size ends and one of the new size starts (windows are the steps' multiples of it): elsewhere
+    the partial sum of the open window would be divided by the new count, or the gradients of the last update
+    counted again."""
+    if before is not None and steps != before and (step % before or step % steps):
+        both = math.lcm(before, steps)
+        raise ValueError(
+            f"options batch.gradient_accumulation_steps changed from {before} to {steps} at train_step {step + 1}: "
+            "windows are the steps' multiples of it, so it may change only after a step that is a multiple of both "
+            f"(the next: step {-(-step // both) * both}); change it there, or create a new trainer"
+        )
+    return steps
+

@@ -10,7 +10,7 @@ from ...graph import rewrites
 
 
 _REDUCTIONS = {0: None, 1: "ReduceMean", 2: "ReduceSum"}
-DOMAIN = "orttrainer"  # custom-domain marker nodes, which export.resolve_markers resolves right after export
+DOMAIN = "orttrainer"  # custom-domain marker nodes, which exported_graph.resolve_markers resolves right after export
 
 
 def _constant(g, value):

@@ -11,8 +11,8 @@ from ._graph import DOMAIN, _constant, _ExportGraph, _numpy_dtype
 
 
 def detach(g, x):
-    """torch's detach, which torch's symbolic drops (inference needs no gradient), as a marker node: export.py
-    turns it into an Identity marked ``rewrites.STOP_GRADIENT``, which graph.stop_gradients cuts."""
+    """torch's detach, which torch's symbolic drops (inference needs no gradient), as a marker node: exported_graph.py
+    turns it into an Identity marked ``rewrites.STOP_GRADIENT``, which training_graph.stop_gradients cuts."""
     detached = g.op(f"{DOMAIN}::Detach", x)
     detached.setType(x.type())
     return detached
@@ -116,7 +116,7 @@ def atan2(g, y, x):
 def hardtanh(g, x, min_val, max_val):
     """torch's hardtanh (nn.Hardtanh, nn.ReLU6, F.relu6): the Clip torch's symbolic writes, as a marker node.
 
-    Clip's gradient passes at the bounds, as torch's clamp's does; hardtanh's is 0 there. export.py turns
+    Clip's gradient passes at the bounds, as torch's clamp's does; hardtanh's is 0 there. exported_graph.py turns
     the marker into that Clip, marked for ``defined_gradients.zero_gradient_at_bounds``.
     """
     dtype = _type_utils.JitScalarType.from_value(x, _type_utils.JitScalarType.FLOAT).dtype()
@@ -136,7 +136,7 @@ def softplus(g, x, beta, threshold):
 
     torch's own symbolic drops ``threshold`` (ONNX's Softplus has none): with a small one,
     every x beyond threshold / beta got the curve's value and gradient instead of x and 1.
-    The Softplus op is rewritten for training (rewrites.softplus).
+    The Softplus op is rewritten for training (rewrites.activations.softplus).
     """
     scaled = x if beta == 1 else g.op("Mul", x, _constant(g, beta))
     curve = g.op("Softplus", scaled)
@@ -157,7 +157,7 @@ def threshold(g, x, threshold, value):
 
 
 def _log_sigmoid(g, x):
-    """log(sigmoid(x)) = -softplus(-x): the Softplus op, which rewrites.softplus trains without
+    """log(sigmoid(x)) = -softplus(-x): the Softplus op, which rewrites.activations.softplus trains without
     overflow. Its gradient sigmoid(-x) is torch's log_sigmoid_backward."""
     return g.op("Neg", g.op("Softplus", g.op("Neg", x)))
 

@@ -38,8 +38,8 @@ def embedding(g, weight, indices, padding_idx, scale_grad_by_freq, sparse):
     """A Gather; with padding_idx or scale_grad_by_freq, whose indices pass through a marker node.
 
     torch's own symbolic drops padding_idx (the padding row would train) and refuses
-    scale_grad_by_freq. The marker carries both to export.py, which removes it and tells
-    the trainer, which applies them to this lookup's gradient (graph.EmbeddingGradient).
+    scale_grad_by_freq. The marker carries both to exported_graph.py, which removes it and tells
+    the trainer, which applies them to this lookup's gradient (outputs_for_trainer.EmbeddingGradient).
     """
     if padding_idx < 0 and not scale_grad_by_freq:
         return g.op("Gather", weight, indices)

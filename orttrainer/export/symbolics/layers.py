@@ -56,7 +56,7 @@ def batch_norm(g, x, weight, bias, running_mean, running_var, training, momentum
     """torch's batch_norm; without running statistics (``track_running_stats=False``), which torch's
     symbolic exports only for a static batch size, as a BatchNormalization in training mode on
     placeholder statistics: it normalizes by the batch's statistics, as torch does in training and
-    in eval (graph.set_inference_mode keeps such a node in training mode)."""
+    in eval (eval_graph.set_inference_mode keeps such a node in training mode)."""
     torch_symbolic = symbolic_opset14.batch_norm if g.opset >= 14 else symbolic_opset9.batch_norm
     if not symbolic_helper._is_none(running_mean) and not symbolic_helper._is_none(running_var):
         return torch_symbolic(g, x, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled)

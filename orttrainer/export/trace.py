@@ -1,0 +1,253 @@
+"""torch module + loss function -> the forward+loss ONNX graph: the trace itself.
+
+The exported graph takes the model_desc inputs (the label last when a loss_fn is
+given) and returns the loss first, then the model's outputs. It holds no weights: they are
+graph inputs named exactly like the keys of the module's ``state_dict()``. The export runs the
+user's module itself (the trainer trains its tensors in place) and leaves it as it was.
+
+One ``torch.onnx.export`` (the TorchScript exporter, orttrainer's symbolics registered) with the weights as inputs
+of the trace, its warnings judged (exporter_warnings.py), what the graph cannot hold refused (refusals.py), done
+again from the state a first call leaves; then the exported model made the graph the trainer builds on
+(exported_graph.py).
+"""
+
+import contextlib
+import io
+
+import onnx
+import torch
+from torch.onnx import TrainingMode
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from . import forward_effects, symbolics
+from .as_trained import WRAPPED, keeping_no_activations, with_loss
+from .exported_graph import loss_tensors_as_constants, resolve_markers, strip_wrapper_prefix
+from .exporter_warnings import ExporterWarnings, ValuesTurnedPython
+from .refusals import (ExportError, HookAndFunctionSpy, functions_as_their_forward, refuse_custom_backward,
+                       refuse_draws_outside_torch, refuse_state_changes)
+from ..graph import rewrites
+
+
+def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outputs, opset: int, constants=None,
+                   loss_index=None):  # fmt: skip
+    """Export ``model`` (+ ``loss_fn``) in the modes it trains in, names and dynamic axes from model_desc.
+
+    ``model`` is in the modes it trains in (:func:`as_trained.as_trained`); ``desc_inputs``/``desc_outputs`` are
+    (name, shape) pairs, string dims become dynamic. The global torch RNG is left as it
+    was (tracing runs dropout once). The module's weights and buffers are graph inputs of
+    their type and shape, named by their state_dict keys, never initializers: their data
+    stays in torch memory, so no model is too large for one protobuf (2 GiB) and none is
+    serialized (docs/stack_facts.md). ``constants`` go to forward as they are, so the graph
+    holds what they chose. With ``loss_index`` (the loss among the outputs), what carries a
+    hand-written backward is refused (``_WeightsAsInputs``).
+    Returns the ModelProto, {Gather node: exported_graph.EmbeddingLookup} and the locations where the trace
+    froze a value of this batch (see ``exporter_warnings._FROZEN_VALUE``).
+    """
+    wrapper = with_loss(model, loss_fn, forward_names, constants)
+    devices = [inputs[0].device.index or 0] if inputs and inputs[0].is_cuda else []
+    states_before = forward_effects.generator_states()
+
+    def export_once():
+        return _traced_export(model, wrapper, inputs, desc_inputs, desc_outputs, opset, devices, loss_index)
+
+    serialized, heard, module_state_before = _export_from_the_state_of_a_first_call(model, loss_fn, export_once)
+    mismatch = _outputs_differing_by_mode(model, wrapper, desc_outputs)
+    if mismatch:
+        raise mismatch
+    refuse_state_changes(module_state_before, model, loss_fn)  # first: the draws' exports put the tensors back
+    refuse_draws_outside_torch(states_before, model, wrapper, inputs, devices, serialized, export_once)
+    exported = onnx.load_from_string(serialized)
+    loss_tensors_as_constants(exported, wrapper)
+    strip_wrapper_prefix(exported)
+    lookups = resolve_markers(exported)
+    rewrites.torch_pools(exported)  # first: torch's pools can make fewer windows than ONNX's, whose sizes folding reads
+    rewrites.fold_static_sizes(exported, _module_tensor_names(model))
+    return exported, lookups, heard.frozen_values
+
+
+def _export_from_the_state_of_a_first_call(model, loss_fn, export_once):
+    """``export_once()`` (serialized, heard) and the module's state it started from (``forward_effects.module_state``).
+
+    A forward may set state at its first call in training mode and keep it (a cache filled, a flag set): the graph
+    is traced from that state, as a forward run before the trace left it (buffers put back, as ``as_trained``
+    does). So an export that changed the module's state, failing or not, is done again from the state it left, and
+    the second export must change nothing (``refuse_state_changes``)."""
+    before = forward_effects.module_state(model, loss_fn)
+    with forward_effects.buffers_kept(model):
+        try:
+            serialized, heard = export_once()
+            failed = None
+        except ExportError as error:
+            failed = error
+        changed = forward_effects.state_changes(before, model, loss_fn, unseen_only=False)
+    if not changed and failed is not None:
+        raise failed
+    if not changed:
+        return serialized, heard, before
+    before = forward_effects.module_state(model, loss_fn)
+    return (*export_once(), before)
+
+
+class _WeightsAsInputs(torch.nn.Module):
+    """``wrapper`` (an ``as_trained._ModelWithLoss``) traced with its weights and buffers (each tensor once, under its first
+    state_dict name: tied weights are one input) as inputs of the trace, after the batch's ``count`` inputs.
+
+    The module's own tensors are passed, so forward reads them as it always does and the tracer, which knows each
+    tensor it was given, records every use as a use of that input. Not a parameter of the traced module: the
+    TorchScript exporter gives a traced module's parameters by value to its ONNX shape inference, whose time then
+    grows with the weights (GPT-2 small: 3 s of its 6 s; docs/stack_facts.md); inputs it leaves alone. Each input is named as the
+    exporter names a parameter (the state_dict key), which its warnings quote (``exporter_warnings._MUTATION``).
+
+    With a ``loss_index``, what carries a hand-written backward is refused as soon as forward + loss have run
+    (``refuse_custom_backward``), before the exporter converts or complains: the trace is the forward that shows it.
+    """
+
+    def __init__(self, wrapper, count: int, loss_index=None):
+        super().__init__()
+        vars(self)["wrapper"] = wrapper  # not a submodule: its tensors would be the traced module's parameters
+        self.count, self.loss_index = count, loss_index
+        self.spy = HookAndFunctionSpy()  # entered around the export, beneath ValuesTurnedPython (which names lines)
+        self.weights, seen = {}, set()
+        for name, tensor in wrapper.state_dict(keep_vars=True).items():
+            if isinstance(tensor, torch.Tensor) and id(tensor) not in seen:
+                self.weights[name] = tensor
+                seen.add(id(tensor))
+
+    def forward(self, *inputs):
+        for name, tensor in zip(self.weights, inputs[self.count :]):
+            torch._C._get_value_trace(tensor).setDebugName(name)
+        scopes, scope_of = torch.jit._trace._trace_module_map, torch._C._jit_onnx_create_full_scope_name
+        if scopes is not None:
+            scopes.update({layer: scope_of(torch.typename(type(layer)), _scope_name(name))
+                           for name, layer in self.wrapper.named_modules() if layer is not self.wrapper})
+        with _one_value_per_channel_explained():
+            outputs = self.wrapper(*inputs[: self.count])
+        if self.loss_index is not None:
+            refuse_custom_backward(outputs[self.loss_index], self.spy.hooks)
+        return outputs
+
+
+def _scope_name(path: str) -> str:
+    """A submodule's name in the exporter's node names, as it names the submodules of the module it traces: the
+    path from its last atom that is not a number (``model.h.0`` -> ``h.0``)."""
+    atoms = path.split(".")
+    last = max((index for index, atom in enumerate(atoms) if not atom.isnumeric()), default=0)
+    return ".".join(atoms[last:])
+
+
+def _traced_export(model, wrapper, inputs, desc_inputs, desc_outputs, opset, devices, loss_index=None):
+    """One ``torch.onnx.export`` of ``wrapper`` (orttrainer's symbolics registered, exporter warnings heard; with
+    ``loss_index``, custom backwards refused: ``_WeightsAsInputs``): the serialized model and the
+    ``ExporterWarnings`` that heard it."""
+    buffer = io.BytesIO()
+    try:
+        values = ValuesTurnedPython()
+        inputs_by_name = {name: tensor for (name, _), tensor in zip(desc_inputs, inputs)}
+        state = {WRAPPED + name: tensor for name, tensor in model.state_dict().items()}
+        # autograd on whatever the caller's mode (an eval_step under torch.no_grad() builds a graph that trains)
+        traced = _WeightsAsInputs(wrapper, len(inputs), loss_index)
+        with torch.random.fork_rng(devices=devices), symbolics.exporting(), torch.enable_grad(), \
+                keeping_no_activations(), ExporterWarnings(values, inputs_by_name, state) as heard, traced.spy, \
+                functions_as_their_forward(), _NoGradResultsDetached(), values:
+            torch.onnx.export(
+                traced,
+                (*inputs, *traced.weights.values()),
+                buffer,
+                dynamo=False,
+                training=TrainingMode.PRESERVE,
+                do_constant_folding=False,
+                export_params=False,  # the weights are graph inputs: export_to_onnx
+                opset_version=opset,
+                input_names=[name for name, _ in desc_inputs] + list(traced.weights),
+                output_names=[name for name, _ in desc_outputs],
+                dynamic_axes=_dynamic_axes(list(desc_inputs) + list(desc_outputs)),
+            )
+    except ExportError:
+        raise
+    except Exception as error:
+        # torch's own check of the output names comes first where the modes differ: say that, not what it says
+        mismatch = _outputs_differing_by_mode(model, wrapper, desc_outputs)
+        first_line = str(error).strip().split("\n", 1)[0]  # the rest is a dump of the traced graph: in the cause below
+        failed = ExportError(f"torch.onnx.export of {type(model).__name__} failed: {first_line}{_known_fix(model, first_line)}")
+        raise mismatch or failed from error
+    return buffer.getvalue(), heard
+
+
+def _known_fix(model, message: str) -> str:
+    """What to do about an export failure orttrainer knows the cause of, or ''."""
+    config = getattr(model, "config", None)
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if "aten::histc" in message and experts and hasattr(model, "set_experts_implementation"):
+        return (". transformers' mixture-of-experts layers count each expert's tokens with torch.histc in their default "
+                "experts implementation, which does not export: call model.set_experts_implementation('batched_mm') "
+                "before creating the trainer (the same experts, computed for every token and weighted by the routing)")
+    if "unordered_map::at" in message:
+        return (". torch's exporter fails this way on torch.utils.checkpoint(..., use_reentrant=True) in forward: pass "
+                "use_reentrant=False (the gradients are the same; orttrainer trains the forward as if not checkpointed)")
+    if "vector::_M_range_check" in message and any(isinstance(layer, torch.nn.RNNBase) for layer in model.modules()):
+        return (". torch's exporter fails this way on nn.utils.rnn.pack_padded_sequence (a PackedSequence given to an "
+                "LSTM, GRU or RNN): give the layer the padded batch instead and read each sequence's output at its last "
+                "real step (states[torch.arange(batch), lengths - 1], the same values for a one-directional layer over "
+                "right-padded sequences), or train this model with torch")
+    return ""
+
+
+def _outputs_differing_by_mode(model, wrapper, desc_outputs):
+    """An ExportError if the traced forward returned another number of outputs than the eval-mode run or
+    model_desc named (names are given by position; XLNet returns its memories in eval mode only), else None."""
+    if wrapper.form is None or len(wrapper.form.names) == len(desc_outputs):
+        return None
+    return ExportError(
+        f"{type(model).__name__} returns {wrapper.form.names} in training mode but "
+        f"{[name for name, _ in desc_outputs]} in eval mode or model_desc: return the same outputs in both modes"
+    )
+
+
+def _module_tensor_names(model: torch.nn.Module) -> set:
+    """The names of ``model``'s parameters and buffers, persistent or not: the graph's initializers of them."""
+    tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    return {name for name, _ in tensors}
+
+
+@contextlib.contextmanager
+def _one_value_per_channel_explained():
+    """torch's refusal of a BatchNorm over one value per channel, saying why the trainer runs into it."""
+    try:
+        yield
+    except ValueError as error:
+        if not str(error).startswith("Expected more than 1 value per channel when training"):
+            raise
+        raise ExportError(
+            f"{error}: the trainer builds the graphs of a batch's shapes, eval_step's too, from forward in training "
+            "mode, where BatchNorm needs more than one value per channel; use batches of two or more (to evaluate a "
+            "single sample, use the module itself in eval(), which holds the trained weights)"
+        ) from error
+
+
+class _NoGradResultsDetached(TorchFunctionMode):
+    """Detaches, in the trace, what forward computes under ``torch.no_grad()`` from tensors that require grad.
+
+    torch gives such a result no gradient; a trace records no grad mode, so ONNX Runtime would differentiate
+    through it. The detach is recorded and cut as a user's ``detach()`` is (``symbolics.elementwise.detach``). In-place
+    ops are left as they are: their result is the tensor they changed.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if torch.is_grad_enabled() or torch._C._get_tracing_state() is None or _changes_in_place(func):
+            return result
+        if not any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in pytree.tree_leaves((args, kwargs))):
+            return result
+        return pytree.tree_map(lambda leaf: leaf.detach() if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
+                               else leaf, result)  # fmt: skip
+
+
+def _changes_in_place(func) -> bool:
+    """``Tensor.add_``, ``Tensor.__iadd__``, ``Tensor.__setitem__`` and the like."""
+    name = getattr(func, "__name__", "")
+    return name == "__setitem__" or name.startswith("__i") or (name.endswith("_") and not name.endswith("__"))
+
+
+def _dynamic_axes(entries):
+    return {name: {index: dim for index, dim in enumerate(shape) if isinstance(dim, str)} for name, shape in entries}

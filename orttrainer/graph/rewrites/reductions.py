@@ -1,0 +1,148 @@
+"""Reductions: ReduceLogSumExp and ReduceL2 kept from an opset-11 gradient, CumSum as an exact float64 scan,
+ReduceMax/ReduceMin with torch.amax/amin's gradient and NaN handling, ``first_extreme`` for torch.max(x, dim)
+(which symbolics/ exports with it), the other Reduce ops and the variadic Sum and Mean as ops with gradient
+builders. One family because each reduces over axes read the same way (``NodeBuilder.reduce_axes``).
+"""
+
+import numpy as np
+import onnx
+
+from ._building import RewriteError, compare, node_output, where
+
+
+def reduce_keeping_dims(build):
+    """ReduceLogSumExp / ReduceL2 with keepdims=0 as the same op with keepdims=1 and a Squeeze:
+    onnxruntime-training's gradients of these emit an opset-11 Unsqueeze for keepdims=0, which an
+    opset-13+ graph rejects. keepdims=1 is kept."""
+    axes, keepdims = build.reduce_axes()
+    if keepdims:
+        return False
+    x = build.node.input[0]
+    axes = list(range(len(build.shape(x)))) if axes is None else axes
+    build.squeeze(build.reduce(build.node.op_type, x, axes, 1), axes, node_output(build))
+
+
+def _shifted(build, x, axis, rank, length, shift, reverse):
+    """x moved ``shift`` places along ``axis``, towards its end (its start if ``reverse``), zeros coming in."""
+    bounds = ([shift], [length]) if reverse else ([0], [length - shift])
+    kept = build.op("Slice", [x, *(build.const(bound, np.int64) for bound in bounds), build.const([axis], np.int64)])
+    pads = [0] * (2 * rank)
+    pads[axis + (rank if reverse else 0)] = shift
+    return build.op("Pad", [kept, build.const(pads, np.int64)])
+
+
+def cumsum(build):
+    """CumSum along a static axis as a scan in float64: y += y shifted by 1, 2, 4, ... (ceil(log2 n) steps).
+
+    Each output sums exactly the inputs torch's does, so an inf or NaN reaches only the
+    positions after it (a triangular MatMul multiplied every input by 0 or 1, and inf * 0 =
+    NaN). torch accumulates a float32 cumsum in float64 on the CPU (1e8 + 1 - 1e8 = 1), so
+    the scan runs in float64 too and rounds once.
+    """
+    if build.opset < 11:
+        raise RewriteError(f"CumSum node '{build.node.name}': opset {build.opset} < 11 has no Pad with a pads input")
+    x = build.node.input[0]
+    rank = len(build.shape(x))
+    axis = int(build.constant_input(1).reshape(-1)[0]) % rank
+    length = build.shape(x)[axis]
+    if length is None:
+        raise RewriteError(f"CumSum node '{build.node.name}' (torch.cumsum) along axis {axis}, whose size changes with the "
+                           "batch: its exact form is written for a fixed length; cumulate along a fixed axis, or pad "
+                           "that axis to a fixed length")  # fmt: skip
+    reverse = build.attribute("reverse", 0)
+    total = build.op("Cast", [x], to=onnx.TensorProto.DOUBLE)
+    if build.attribute("exclusive", 0):
+        total = _shifted(build, total, axis, rank, length, 1, reverse)
+    for step in range(max(length - 1, 0).bit_length()):
+        total = build.op("Add", [total, _shifted(build, total, axis, rank, length, 1 << step, reverse)])
+    build.op("Cast", [total], node_output(build), to=onnx.TensorProto.FLOAT)  # rewrites run before any float16 conversion
+
+
+def _extreme_positions(build, x, axes, op_type):
+    """(ties, nan, has_nan), all bool and shaped like x or its slices with kept dims: where x
+    equals its slice's ReduceMax/ReduceMin, where x is NaN, whether the slice holds a NaN.
+
+    torch's max/min/amax/amin return NaN for a slice holding one; ONNX Runtime's ReduceMax
+    and ArgMax skip a NaN unless it comes first, so NaN is handled explicitly.
+    """
+    nan = build.op("IsNaN", [x])
+    any_nan = build.reduce("ReduceMax", build.op("Cast", [nan], to=onnx.TensorProto.FLOAT), axes, 1)
+    has_nan = compare(build, "Greater", any_nan, 0.0)
+    ties = build.op("Equal", [x, build.reduce(op_type, x, axes, 1)])
+    return ties, nan, has_nan
+
+
+def first_extreme_index(build, x, axis, op_type, floating=True):
+    """Where torch.max(x, dim) / torch.min(x, dim) and torch.argmax / argmin look along ``axis``: the
+    first NaN if the slice holds one, else the first extreme (``op_type`` ReduceMax or ReduceMin);
+    int64 indices with the axis kept. An integer ``x`` (not ``floating``) holds no NaN, and gets no ArgMax
+    of its own (ONNX Runtime has no CPU kernel for an int64 one)."""
+    if floating:
+        ties, nan, has_nan = _extreme_positions(build, x, [axis], op_type)
+        at_nan, at_ties = build.op("And", [has_nan, nan]), build.op("And", [build.op("Not", [has_nan]), ties])
+        chosen = build.op("Or", [at_nan, at_ties])
+    else:
+        chosen = build.op("Equal", [x, build.reduce(op_type, x, [axis], 1)])
+    positions = build.op("Cast", [chosen], to=onnx.TensorProto.FLOAT)
+    return build.op("ArgMax", [positions], axis=axis, keepdims=1)  # the first of the 1s
+
+
+def first_extreme(build, x, axis, keepdims, op_type, output=None, floating=True):
+    """torch.max(x, dim) / torch.min(x, dim): (values, indices) at the first extreme along
+    ``axis`` (the first NaN if there is one), which alone gets the gradient, as in torch."""
+    indices = first_extreme_index(build, x, axis, op_type, floating)
+    if keepdims:
+        return build.op("GatherElements", [x, indices], output, axis=axis), indices
+    values = build.op("GatherElements", [x, indices], axis=axis)
+    return build.squeeze(values, [axis], output), build.squeeze(indices, [axis])
+
+
+def reduce_extreme(build):
+    """ReduceMax/ReduceMin with torch.amax/amin's value and gradient: shared evenly among the
+    tied extremes (the tie mask selects with Where: a multiplication by it turned a slice
+    holding -inf, as masked attention scores do, into NaN); a slice holding NaN gives NaN
+    and, as torch's 0/0 tie count does, a NaN gradient to each of its elements.
+
+    torch.max(x, dim) / min(x, dim), whose gradient goes to the first extreme only, are
+    exported by symbolics/ as first_extreme, never as ReduceMax: so a ReduceMax next to an
+    ArgMax of the same axis comes from amax + argmax and keeps amax's gradient. Ties of more
+    than two values that are not exactly divisible by their count may round an ulp off.
+    """
+    x = build.node.input[0]
+    axes, keepdims = build.reduce_axes()
+    ties, _, has_nan = _extreme_positions(build, x, axes, build.node.op_type)
+    count = build.reduce("ReduceSum", build.op("Cast", [ties], to=onnx.TensorProto.FLOAT), axes, 1)
+    picked = where(build, build.op("Or", [ties, has_nan]), x, 0.0)
+    shares = build.op("Div", [picked, where(build, has_nan, float("nan"), count)])
+    build.reduce("ReduceSum", shares, axes, keepdims, node_output(build))
+
+
+def reduce_sum_square(build):
+    axes, keepdims = build.reduce_axes()
+    x = build.node.input[0]
+    build.reduce("ReduceSum", build.op("Mul", [x, x]), axes, keepdims, node_output(build))
+
+
+def reduce_l1(build):
+    axes, keepdims = build.reduce_axes()
+    build.reduce("ReduceSum", build.op("Abs", [build.node.input[0]]), axes, keepdims, node_output(build))
+
+
+def reduce_log_sum(build):
+    axes, keepdims = build.reduce_axes()
+    build.op("Log", [build.reduce("ReduceSum", build.node.input[0], axes, keepdims)], node_output(build))
+
+
+def variadic_sum(build):
+    total = build.node.input[0]
+    for index, name in enumerate(build.node.input[1:], 2):
+        total = build.op("Add", [total, name], node_output(build) if index == len(build.node.input) else None)
+    if len(build.node.input) == 1:
+        build.op("Identity", [total], node_output(build))
+
+
+def variadic_mean(build):
+    total = build.node.input[0]
+    for name in build.node.input[1:]:
+        total = build.op("Add", [total, name])
+    build.op("Mul", [total, build.const(1.0 / len(build.node.input))], node_output(build))
