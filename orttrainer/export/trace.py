@@ -229,18 +229,49 @@ class _NoGradResultsDetached(TorchFunctionMode):
     """Detaches, in the trace, what forward computes under ``torch.no_grad()`` from tensors that require grad.
 
     torch gives such a result no gradient; a trace records no grad mode, so ONNX Runtime would differentiate
-    through it. The detach is recorded and cut as a user's ``detach()`` is (``symbolics.elementwise.detach``). In-place
-    ops are left as they are: their result is the tensor they changed.
+    through it. The detach is recorded and cut as a user's ``detach()`` is (``symbolics.elementwise.detach``). An
+    in-place op on a tensor that requires grad is refused (``_refuse_write_under_no_grad``).
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if torch._C._get_tracing_state() is None:
+            return func(*args, **(kwargs or {}))
+        if func in _WRITES_UNDER_NO_GRAD and _requires_grad(args, kwargs):  # its own ops are not seen here
+            _refuse_write_under_no_grad(_WRITES_UNDER_NO_GRAD[func])
+        if torch.is_grad_enabled():
+            return func(*args, **(kwargs or {}))
+        if _changes_in_place(func):
+            if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+                name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+                _refuse_write_under_no_grad(name.replace("TensorBase.", "Tensor."))
+            return func(*args, **(kwargs or {}))
         result = func(*args, **(kwargs or {}))
-        if torch.is_grad_enabled() or torch._C._get_tracing_state() is None or _changes_in_place(func):
-            return result
-        if not any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in pytree.tree_leaves((args, kwargs))):
+        if not _requires_grad(args, kwargs):
             return result
         return pytree.tree_map(lambda leaf: leaf.detach() if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
                                else leaf, result)  # fmt: skip
+
+
+# torch functions whose own code writes in place under no_grad into a tensor that requires grad; a function mode does
+# not see the ops inside a function it was handed whole
+_WRITES_UNDER_NO_GRAD = {torch.nn.functional.gaussian_nll_loss: "F.gaussian_nll_loss's clamp of its variances"}
+
+
+def _requires_grad(args, kwargs) -> bool:
+    return any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in pytree.tree_leaves((args, kwargs)))
+
+
+def _refuse_write_under_no_grad(write: str) -> None:
+    """ExportError for an in-place write under no_grad into a tensor that requires grad: torch changes the values and
+    keeps the tensor's autograd history, so its gradient passes the write by; the graph holds the write as an op and
+    differentiates through it (a clamp's gradient is 0 where it clamps)."""
+    raise ExportError(
+        f"{write} writes in place under torch.no_grad() into a tensor that requires grad, at "
+        f"{forward_effects.user_location()}: torch's gradient passes that write by, the graph's would go through it (a "
+        "clamp's gradient is 0 where it clamps), so training would differ where it changes a value. Compute the value "
+        "out of place with grad on (for the Gaussian NLL: var = var.clamp(min=eps), then 0.5 * (var.log() + (input - "
+        "target) ** 2 / var)), or train this model with torch"
+    )
 
 
 def _changes_in_place(func) -> bool:
