@@ -20,7 +20,7 @@ import torch
 
 from .update import amp, distributed
 from .runtime import build, graph_cache, session
-from .graph import graph_errors, onnx_file
+from .graph import dropout, graph_errors, onnx_file
 from . import progress
 from .export import verify
 from .update.gradients import Gradients, window_size
@@ -166,11 +166,13 @@ class ORTTrainer:
         accumulation = self._window_steps = window_size(steps, self._window_steps, info.step)
         starts_window = info.step % accumulation == 0
         gradient_buffers = self._gradients.buffers_for(starts_window)
+        outputs = None
         if self._runtime.reference is not None:
             with progress.phase("checked the first step against torch (debug.check_against_torch)"):
-                self._check_against_torch(inputs, gradient_buffers)
-        onnxruntime.set_seed(self._dropout_seed(info.step + 1))
-        outputs = self._run_training_graph(inputs, gradient_buffers)
+                outputs = self._check_against_torch(inputs, gradient_buffers)
+        if outputs is None:
+            onnxruntime.set_seed(self._dropout_seed(info.step + 1))
+            outputs = self._run_training_graph(inputs, gradient_buffers)
         info.step += 1
         for counter in self._runtime.batch_counters.values():
             counter += 1
@@ -206,7 +208,9 @@ class ORTTrainer:
     def _check_against_torch(self, inputs, gradient_buffers):
         """The built-in check (verify.py): this batch through the training graph and through the
         module in torch autograd, both without dropout; nothing of the trainer's state changes but
-        ``gradient_buffers``, which the step's own run writes next (no second set of gradients)."""
+        ``gradient_buffers``, which the step's own run writes next (no second set of gradients).
+        A graph without dropout draws nothing, so its checked run is the step's own: its outputs are
+        returned and its BatchNorm statistics kept (None: the step runs the graph again)."""
         runtime = self._runtime
         reference = runtime.reference
         runtime.reference = None
@@ -220,14 +224,19 @@ class ORTTrainer:
                                       projected=reference.projected)  # fmt: skip
         torch_result = reference.step_on(runtime.weights, inputs, run_torch)
         bound_before, gradients = self._gradients.bound, gradient_buffers
+        is_the_step = dropout.DROPOUT_SCALE_INPUT not in runtime.train_session.input_names
         runtime.dropout_scale.fill_(0.0)
         try:
             outputs = self._run_training_graph(inputs, gradients)
             buffers = runtime.batch_norm_copies()
+        except BaseException:
+            runtime.restore_batch_norms()
+            raise
         finally:
             runtime.dropout_scale.fill_(1.0)
-            runtime.restore_batch_norms()
             self._gradients.bind(bound_before)
+        if not is_the_step:
+            runtime.restore_batch_norms()
         if runtime.loss_scale is not None:  # mixed precision: gradients of loss * scale; an overflow is the scaler's to handle
             if not all(bool(grad.isfinite().all()) for grad in gradients.values()):
                 gradients = {}
@@ -235,7 +244,13 @@ class ORTTrainer:
         ort = verify.StepResult(dict(zip(output_names, outputs)), gradients, buffers)
         where = graph_errors.where_in_graph(runtime.onnx_model, list(gradients) + output_names + list(buffers))
         mode = self.options.debug.check_against_torch
-        verify.check(ort, run_torch, runtime.weights, self._checked_dtype(), where, mode, torch_result)
+        try:
+            verify.check(ort, run_torch, runtime.weights, self._checked_dtype(), where, mode, torch_result)
+        except BaseException:
+            if is_the_step:  # a refused step leaves the statistics as they were
+                runtime.restore_batch_norms()
+            raise
+        return outputs if is_the_step else None
 
     def _update_weights(self, lr, accumulation):
         """Sum over ranks, undo the loss scale (skipping non-finite steps), then the optimizer on

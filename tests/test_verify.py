@@ -1,5 +1,6 @@
 """The built-in check's comparison: rounding at a kink is excused, a wrong gradient is not."""
 
+import copy
 import functools
 
 import pytest
@@ -201,3 +202,27 @@ def test_projected_refuses_float64_values_it_cannot_bound():
     with pytest.raises(RuntimeError, match=r"values past 1e154, which its reduced form cannot bound; set "
                                            r"debug.check_against_torch to 'off'"):
         verify.Projected.of(torch.tensor([1e200, 1.0], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dropout, runs", [(0.0, 1), (0.2, 2)], ids=["no-dropout", "dropout"])
+def test_a_graph_without_dropout_runs_once_at_its_checked_first_step(monkeypatch, dropout, runs):
+    """The check runs the training graph with dropout off; a graph without dropout draws nothing, so that run is the
+    step's own (its outputs returned, its BatchNorm statistics kept, as torch's loop has them: run_parity); a graph
+    with dropout runs again with it on."""
+    from orttrainer.runtime import build
+
+    calls = []
+    run_training = build.Runtime.run_training
+    monkeypatch.setattr(build.Runtime, "run_training", lambda self: calls.append(1) or run_training(self))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(dropout), nn.Linear(16, 10))
+    reference = copy.deepcopy(model)
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy)
+    x, label = torch.randn(8, 20), torch.randint(0, 10, (8,))
+    loss = trainer.train_step(x, label)[0]
+    assert len(calls) == runs
+    if not dropout:
+        expected = F.cross_entropy(reference(x), label)
+        torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
+        for name in ("1.running_mean", "1.running_var", "1.num_batches_tracked"):
+            torch.testing.assert_close(model.state_dict()[name], reference.state_dict()[name], atol=1e-6, rtol=1e-5)
