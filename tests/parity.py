@@ -129,6 +129,22 @@ def step_against_float64(trainer, float32, float64, batch, step, loss_fn, refere
     assert_state_within_float32_error(trainer, float32[0], float64[0], step)
 
 
+def train_keywords_like_torch(trainer, reference, reference64, batches, lr, compare_outputs):
+    """The Hugging Face user's loop, ``trainer.train_step(**batch)`` with the model's own loss, against
+    ``model(**batch).loss.backward()`` and torch SGD (``lr``) on ``reference`` and its float64 copy ``reference64``:
+    ``compare_outputs(outputs, expected, expected64, where)`` at every step, then every state_dict key."""
+    optimizers = [torch.optim.SGD(module.parameters(), lr=lr) for module in (reference, reference64)]
+    for step, batch in enumerate(batches, 1):
+        outputs = trainer.train_step(**batch)
+        expected, expected64 = reference(**batch), reference64(**float64_batch(batch))
+        for result, optimizer in zip((expected, expected64), optimizers):
+            result.loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        compare_outputs(outputs, expected, expected64, f"train_step {step}")
+        assert_state_within_float32_error(trainer, reference, reference64, step=step)
+
+
 def assert_state_within_float32_error(trainer, reference, reference64, step=None):
     """The trainer's state_dict has exactly the torch module's keys, every value within float32 torch's distance from
     the float64 module's (assert_within_float32_error)."""

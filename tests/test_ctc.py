@@ -16,8 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from parity import (assert_state_within_float32_error, assert_within_float32_error, cpu_options, float64_batch,
-                    run_parity)  # fmt: skip
+from parity import assert_within_float32_error, cpu_options, float64_batch, run_parity, train_keywords_like_torch
 
 from orttrainer import ORTTrainer, optim
 from orttrainer.graph import training_graph
@@ -283,6 +282,11 @@ def _speech_batches(batches, label_length=6, unreachable=False):
     return made
 
 
+def _compare_loss_and_logits(outputs, expected, expected64, where):
+    for field in ("loss", "logits"):
+        assert_within_float32_error(outputs[field], expected[field], expected64[field], f"{where} {field}")
+
+
 @pytest.mark.parametrize("config, unreachable, frozen", [
     ({}, False, False),
     ({"ctc_loss_reduction": "mean", "ctc_zero_infinity": True}, True, False),
@@ -298,23 +302,11 @@ def test_wav2vec2_for_ctc_trains_like_torch(config, unreachable, frozen):
         model.freeze_feature_encoder()
     reference, reference64 = copy.deepcopy(model), copy.deepcopy(model).double()
     trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.05), options=cpu_options())
-    optimizers = [torch.optim.SGD(module.parameters(), lr=0.05) for module in (reference, reference64)]
     *batches, eval_batch = _speech_batches([2, 3, 2, 3], unreachable=unreachable)
-    for step, batch in enumerate(batches, 1):
-        outputs = trainer.train_step(**batch)
-        expected, expected64 = reference(**batch), reference64(**float64_batch(batch))
-        for result, optimizer in zip((expected, expected64), optimizers):
-            result.loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        for field in ("loss", "logits"):
-            assert_within_float32_error(outputs[field], expected[field], expected64[field], f"step {step} {field}")
-        assert_state_within_float32_error(trainer, reference, reference64, step=step)
+    train_keywords_like_torch(trainer, reference, reference64, batches, 0.05, _compare_loss_and_logits)
     assert _ctc_nodes_on_torch(trainer) == {torch_ctc.CTC_LOSS, torch_ctc.CTC_GRADIENT}
     reference.eval()
     reference64.eval()
     with torch.no_grad():
         expected, expected64 = reference(**eval_batch), reference64(**float64_batch(eval_batch))
-    outputs = trainer.eval_step(**eval_batch)
-    for field in ("loss", "logits"):
-        assert_within_float32_error(outputs[field], expected[field], expected64[field], f"eval_step {field}")
+    _compare_loss_and_logits(trainer.eval_step(**eval_batch), expected, expected64, "eval_step")

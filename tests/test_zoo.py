@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import zoo
-from parity import assert_state_within_float32_error, assert_within_float32_error, cpu_options, float64_batch, run_parity
+from parity import assert_within_float32_error, cpu_options, float64_batch, run_parity, train_keywords_like_torch
 
 from orttrainer import ORTTrainer, optim
 
@@ -130,16 +130,7 @@ def _check_hugging_face(tmp_path, model, batches, eval_batch):
     model.train()
     reference, reference64 = copy.deepcopy(model), copy.deepcopy(model).double()
     trainer = ORTTrainer(model, None, optim.SGDConfig(lr=LR), options=cpu_options())
-    optimizers = [torch.optim.SGD(module.parameters(), lr=LR) for module in (reference, reference64)]
-    for step, batch in enumerate(batches, 1):
-        outputs = trainer.train_step(**batch)
-        expected, expected64 = reference(**batch), reference64(**float64_batch(batch))
-        for result, optimizer in zip((expected, expected64), optimizers):
-            result.loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        _compare_outputs(outputs, expected, expected64, f"train_step {step}")
-        assert_state_within_float32_error(trainer, reference, reference64, step=step)
+    train_keywords_like_torch(trainer, reference, reference64, batches, LR, _compare_outputs)
 
     reference.eval()
     reference64.eval()
