@@ -234,19 +234,16 @@ class _NoGradResultsDetached(TorchFunctionMode):
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if torch._C._get_tracing_state() is None:
-            return func(*args, **(kwargs or {}))
-        if func in _WRITES_UNDER_NO_GRAD and _requires_grad(args, kwargs):  # its own ops are not seen here
+        kwargs = kwargs or {}
+        tracing = torch._C._get_tracing_state() is not None
+        if tracing and func in _WRITES_UNDER_NO_GRAD and _requires_grad(args, kwargs):  # its own ops are not seen here
             _refuse_write_under_no_grad(_WRITES_UNDER_NO_GRAD[func])
-        if torch.is_grad_enabled():
-            return func(*args, **(kwargs or {}))
-        if _changes_in_place(func):
-            if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
-                name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
-                _refuse_write_under_no_grad(name.replace("TensorBase.", "Tensor."))
-            return func(*args, **(kwargs or {}))
-        result = func(*args, **(kwargs or {}))
-        if not _requires_grad(args, kwargs):
+        writes_needing_grad = args and isinstance(args[0], torch.Tensor) and args[0].requires_grad
+        if tracing and not torch.is_grad_enabled() and _changes_in_place(func) and writes_needing_grad:
+            name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+            _refuse_write_under_no_grad(name.replace("TensorBase.", "Tensor."))
+        result = func(*args, **kwargs)
+        if not tracing or torch.is_grad_enabled() or _changes_in_place(func) or not _requires_grad(args, kwargs):
             return result
         return pytree.tree_map(lambda leaf: leaf.detach() if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
                                else leaf, result)  # fmt: skip
