@@ -210,7 +210,9 @@ class ORTTrainer:
         module in torch autograd, both without dropout; nothing of the trainer's state changes but
         ``gradient_buffers``, which the step's own run writes next (no second set of gradients).
         A graph without dropout draws nothing, so its checked run is the step's own: its outputs are
-        returned and its BatchNorm statistics kept (None: the step runs the graph again)."""
+        returned and, once the check passed, its BatchNorm statistics written (None: the step runs the graph again).
+        They are put back while the check compares: torch's step taken again on ``runtime.weights`` (written since the
+        build: a checkpoint loaded; and the rounding excuse's) must start from the statistics the step started from."""
         runtime = self._runtime
         reference = runtime.reference
         runtime.reference = None
@@ -229,14 +231,10 @@ class ORTTrainer:
         try:
             outputs = self._run_training_graph(inputs, gradients)
             buffers = runtime.batch_norm_copies()
-        except BaseException:
-            runtime.restore_batch_norms()
-            raise
         finally:
             runtime.dropout_scale.fill_(1.0)
+            runtime.restore_batch_norms()  # torch's side starts from the statistics the step starts from
             self._gradients.bind(bound_before)
-        if not is_the_step:
-            runtime.restore_batch_norms()
         if runtime.loss_scale is not None:  # mixed precision: gradients of loss * scale; an overflow is the scaler's to handle
             if not all(bool(grad.isfinite().all()) for grad in gradients.values()):
                 gradients = {}
@@ -244,13 +242,11 @@ class ORTTrainer:
         ort = verify.StepResult(dict(zip(output_names, outputs)), gradients, buffers)
         where = graph_errors.where_in_graph(runtime.onnx_model, list(gradients) + output_names + list(buffers))
         mode = self.options.debug.check_against_torch
-        try:
-            verify.check(ort, run_torch, runtime.weights, self._checked_dtype(), where, mode, torch_result)
-        except BaseException:
-            if is_the_step:  # a refused step leaves the statistics as they were
-                runtime.restore_batch_norms()
-            raise
-        return outputs if is_the_step else None
+        verify.check(ort, run_torch, runtime.weights, self._checked_dtype(), where, mode, torch_result)
+        if not is_the_step:
+            return None
+        runtime.update_batch_norms()  # the run's statistics, still in its outputs: those of the step
+        return outputs
 
     def _update_weights(self, lr, accumulation):
         """Sum over ranks, undo the loss scale (skipping non-finite steps), then the optimizer on

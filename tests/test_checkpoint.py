@@ -1,6 +1,7 @@
 """state_dict and HDF5 checkpoints: legacy layout, safety, atomic writes, exact resume."""
 
 import copy
+import functools
 import os
 import pickle
 import signal
@@ -13,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import zoo
 from conftest import subprocess_env
-from models import CNN, MLP, cnn_batch, mlp_batch
+from models import CNN, MLP, Encoder, cnn_batch, lm_loss, mlp_batch, token_batch
 from parity import cpu_options
 
 from orttrainer import ORTTrainer, checkpoint, optim
@@ -272,6 +274,47 @@ def test_resume_in_a_new_process_is_bit_exact(tmp_path):
     for key in weight_keys:
         np.testing.assert_array_equal(second[key], full[key], err_msg=key)
     assert not np.array_equal(first["weight/head.weight"], full["weight/head.weight"])
+
+
+# model family: (model factory, loss_fn or None for the model's own loss, batch(generator=))
+RESUMED = {
+    "cnn-batchnorm": (CNN, F.cross_entropy, cnn_batch),
+    "cnn-batchnorm-dropout": (functools.partial(CNN, dropout=0.2), F.cross_entropy, cnn_batch),
+    "transformer": (Encoder, lm_loss, token_batch),
+    "hugging-face": (zoo.bert_classifier, None, functools.partial(zoo.classification_batch, 4, 8)),
+}
+
+
+@pytest.mark.parametrize("family", RESUMED)
+def test_a_checkpoint_loaded_before_the_first_step_resumes_bit_exact_with_the_check_on(tmp_path, family):
+    """issue 47: a new trainer's load_checkpoint before its first step, the first-step check on (the default). The
+    check's torch side, taken at the build on the weights of then, is taken again on the loaded ones; it started from
+    the BatchNorm statistics the checked run had already moved, and refused the step. The 2 resumed steps equal steps
+    5 and 6 of the uninterrupted run, bit for bit: losses and every entry of the state_dict."""
+    if family == "hugging-face":
+        pytest.importorskip("transformers", reason="the Hugging Face zoo needs transformers (the test extra)")
+    make, loss_fn, make_batch = RESUMED[family]
+
+    def new_trainer():
+        torch.manual_seed(0)
+        return ORTTrainer(make(), None, optim.AdamConfig(lr=1e-2), loss_fn=loss_fn, options=cpu_options())
+
+    def step(trainer, index):
+        batch = make_batch(generator=torch.Generator().manual_seed(index))
+        if isinstance(batch, dict):
+            return trainer.train_step(**batch).loss
+        return trainer.train_step(*batch)[0]
+
+    uninterrupted, path = new_trainer(), tmp_path / "ckpt.h5"
+    for index in range(4):
+        step(uninterrupted, index)
+    uninterrupted.save_checkpoint(path)
+    losses = [step(uninterrupted, index) for index in (4, 5)]
+    resumed = new_trainer()
+    resumed.load_checkpoint(path)
+    resumed_losses = [step(resumed, index) for index in (4, 5)]
+    torch.testing.assert_close(torch.stack(resumed_losses), torch.stack(losses), atol=0, rtol=0)
+    assert_same_state(resumed.state_dict(), uninterrupted.state_dict())
 
 
 def test_aggregate_zero_checkpoints_and_resume(tmp_path):

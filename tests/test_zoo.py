@@ -45,12 +45,13 @@ def _onnx_session(trainer, path, with_loss):
     return onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
 
-def _loads_strictly(model, trainer, reference):
-    """The trained state loads into the user's module with strict=True and equals torch's."""
+def _loads_strictly(model, trainer, reference, reference64):
+    """The trained state loads into the user's module with strict=True and equals torch's (as close to the float64
+    module's as float32 torch's is: a running mean of values that nearly cancel, MobileViT's, is 2e-5 off in torch)."""
     model.load_state_dict(trainer.state_dict(pytorch_format=True), strict=True)
+    loaded, expected64 = model.state_dict(), reference64.state_dict()
     for name, tensor in reference.state_dict().items():
-        torch.testing.assert_close(model.state_dict()[name], tensor, atol=1e-5, rtol=1e-5,
-                                   msg=lambda m: f"'{name}' loaded into the module: {m}")  # fmt: skip
+        assert_within_float32_error(loaded[name], tensor, expected64[name], f"'{name}' loaded into the module")
 
 
 # ------------------------------------------------------------------ models written in torch
@@ -69,7 +70,7 @@ def _check_module(tmp_path, model, loss_fn, batches, eval_batch):
     _close(loss, expected_loss, expected_loss64, "eval_step loss")
     _close(output, expected, expected64, "eval_step output")
 
-    _loads_strictly(model, trainer, reference)
+    _loads_strictly(model, trainer, reference, reference64)
 
     for with_loss, feeds, outputs, outputs64 in ((True, eval_batch, [expected_loss, expected], [expected_loss64, expected64]),
                                                  (False, inputs, [expected], [expected64])):  # fmt: skip
@@ -138,7 +139,7 @@ def _check_hugging_face(tmp_path, model, batches, eval_batch):
         expected, expected64 = reference(**eval_batch), reference64(**float64_batch(eval_batch))
     _compare_outputs(trainer.eval_step(**eval_batch), expected, expected64, "eval_step")
 
-    _loads_strictly(model, trainer, reference)
+    _loads_strictly(model, trainer, reference, reference64)
 
     for with_loss in (True, False):
         session = _onnx_session(trainer, tmp_path / f"model_{with_loss}.onnx", with_loss)

@@ -441,6 +441,20 @@ def efficientnet_classifier():
     return transformers.EfficientNetForImageClassification(config)
 
 
+def mobilevit_classifier():
+    """MobileViT: convolutions with BatchNorm (SiLU), inverted residuals, and transformer blocks over the unfolded
+    patches of a feature map, folded back and fused with it by convolutions. Some gradients nearly cancel (attention
+    and BatchNorm biases): the first-step check finds them rounded otherwise and takes torch's step again for its
+    rounding excuse, which started from the statistics the checked run had moved, and refused the step (issue 47)."""
+    import transformers
+
+    config = transformers.MobileViTConfig(image_size=32, patch_size=2, hidden_sizes=[16, 24, 32],
+                                          neck_hidden_sizes=[8, 8, 16, 16, 24, 24, 32], num_attention_heads=2,
+                                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                          classifier_dropout_prob=0.0, num_labels=3)  # fmt: skip
+    return transformers.MobileViTForImageClassification(config)
+
+
 def vit_classifier():
     import transformers
 
@@ -578,6 +592,8 @@ HUGGING_FACE_MODELS = {
     "whisper-speech-to-text": (whisper_speech_to_text, speech_batch, "audio"),
     "bloom-lm": (bloom_lm, causal_lm_batch, "tokens"),
     "efficientnet-image-classifier": (efficientnet_classifier, functools.partial(vit_batch, size=32), "images"),
+    "mobilevit-batchnorm-and-attention-classifier": (mobilevit_classifier, functools.partial(vit_batch, size=32),
+                                                     "images"),
     "clip-contrastive-return-loss": (clip_model, image_text_batch, "short tokens"),
     "vit-resized-positions": (vit_classifier, resized_vit_batch, "image sizes"),
     "dinov2-image-classifier": (dinov2_classifier, vit_batch, "image sizes"),
