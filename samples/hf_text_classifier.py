@@ -106,7 +106,7 @@ def main():
                                   per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=64,
                                   warmup_steps=0.1, weight_decay=0.01, logging_steps=5, eval_strategy="epoch",
                                   save_strategy="no", report_to=[], seed=0, use_cpu=True)
-    collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=16, return_tensors="pt")
+    collator = DataCollatorWithPadding(tokenizer, return_tensors="pt")  # each batch to its own longest: one graph
     trainer = Trainer(model=model, args=arguments, train_dataset=train, eval_dataset=test, data_collator=collator,
                       compute_metrics=accuracy)
 

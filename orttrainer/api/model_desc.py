@@ -196,20 +196,33 @@ def forward_input_names(model: torch.nn.Module, positional_count: int):
     return [parameter.name for parameter in parameters[:positional_count]]
 
 
-def _symbolic_shape(name, tensor, batch_size):
-    """Shape with dim 0 symbolic: 'batch' when it matches the first input's, else '<name>_dim0'."""
-    shape = list(tensor.shape)
+def _symbolic_shape(name, tensor, batch_size, every_axis=False):
+    """Shape with dim 0 symbolic ('batch' when it matches the first input's, else '<name>_dim0'), and with
+    ``every_axis`` every other dim too ('<name>_dim<i>')."""
+    shape = [dim if index == 0 or not every_axis else f"{name}_dim{index}" for index, dim in enumerate(tensor.shape)]
     if shape:
         shape[0] = "batch" if shape[0] == batch_size else f"{name}_dim0"
     return shape
 
 
-def infer_model_desc(input_names, inputs, sample_outputs, form) -> _ORTTrainerModelDesc:
+def _sizes_of_the_batch(tensor) -> bool:
+    """Whether every axis of an input is a size of the batch: token ids, masks, positions, labels (integers and
+    bools) are; a float input's other axes are widths its weights fix (channels, features) or sizes the module may
+    read (an image's height)."""
+    return not (tensor.is_floating_point() or tensor.is_complex())
+
+
+def infer_model_desc(input_names, inputs, sample_outputs, form, lengths_dynamic=True) -> _ORTTrainerModelDesc:
     """The model_desc of named sample inputs and sample outputs, which ``form`` names
-    (model_outputs.flatten: the scalar loss first, computed by the loss_fn or by the model itself)."""
+    (model_outputs.flatten: the scalar loss first, computed by the loss_fn or by the model itself).
+
+    Dynamic: dim 0 of every input; with ``lengths_dynamic`` every axis of integer and bool inputs
+    (``_sizes_of_the_batch``: a padded length); every axis of every output (a graph declares what it computes, not
+    the sizes of the batch it was traced at)."""
     batch_size = inputs[0].shape[0] if inputs and inputs[0].dim() > 0 else None
-    desc_inputs = [(name, _symbolic_shape(name, tensor, batch_size)) for name, tensor in zip(input_names, inputs)]
-    desc_outputs = [(name, _symbolic_shape(name, tensor, batch_size), index == 0)
+    desc_inputs = [(name, _symbolic_shape(name, tensor, batch_size, lengths_dynamic and _sizes_of_the_batch(tensor)))
+                   for name, tensor in zip(input_names, inputs)]  # fmt: skip
+    desc_outputs = [(name, _symbolic_shape(name, tensor, batch_size, every_axis=True), index == 0)
                     for index, (name, tensor) in enumerate(zip(form.names, sample_outputs))]  # fmt: skip
     desc = _ORTTrainerModelDesc({"inputs": desc_inputs, "outputs": desc_outputs})
     desc.form = form

@@ -20,6 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import forward_effects
 from .as_trained import WRAPPED
+from .size_guards import SizeGuards
 from .refusals import ExportError
 
 
@@ -40,6 +41,8 @@ class _Heard:
         return f"{self.where} (inside: {self.filename}:{self.lineno}: {linecache.getline(self.filename, self.lineno).strip()})"
 
 
+_LEN = r"Using len to get tensor shape might cause the trace to be incorrect"
+
 # Exporter warnings that do not mean the graph differs from the module, each with why.
 _HARMLESS = [
     # orttrainer chooses the TorchScript exporter deliberately (docs/stack_facts.md)
@@ -53,8 +56,9 @@ _HARMLESS = [
     # a recurrent layer's initial state sized by the sample batch: graph_cache exports again at every
     # new shape signature and builds another graph when the trace differs
     (UserWarning, r"Exporting a model to ONNX with a batch_size other than 1, with a variable length with"),
-    # len(tensor), a size of the sample batch (CLIP's contrastive loss, arange(len(logits))): likewise
-    (torch.jit.TracerWarning, r"Using len to get tensor shape might cause the trace to be incorrect"),
+    # len(tensor), a size of the sample batch (CLIP's contrastive loss, arange(len(logits))): likewise (the graph then
+    # serves no other sizes without an export: ``sizes_read_untraced``)
+    (torch.jit.TracerWarning, _LEN),
     # BatchNorm's batch counter: the trainer counts batches itself
     (UserWarning, r"Removing mutation from node aten::add_ on block input: '[^']*num_batches_tracked'"),
 ]
@@ -197,10 +201,12 @@ class ValuesTurnedPython(TorchFunctionMode):
     """Notes where the traced code turns a tensor that depends on the batch's or the weights'
     values into a Python value (an ``if`` on it, ``int(...)``): the trace freezes that value,
     which differs from batch to batch. One computed from shapes alone is the same for every
-    batch of the graph's shape signature."""
+    batch of the graph's shape signature, and for every batch of other sizes that computes the
+    same value from them: ``size_guards`` notes it."""
 
     def __init__(self):
         super().__init__()
+        self.size_guards = SizeGuards()
         self.from_values = {}  # user location (``forward_effects.user_location``) -> why its value must not be frozen (``_frozen_from``)
         self.making_empty_tensor = False  # a torch.tensor of no values is under way (``_holds_no_values``)
 
@@ -220,7 +226,10 @@ class ValuesTurnedPython(TorchFunctionMode):
         why = None if traced is None else _frozen_from(traced)
         if why is not None:
             self.from_values.setdefault(forward_effects.user_location(), why)
-        return func(*args, **(kwargs or {}))
+        result = func(*args, **(kwargs or {}))
+        if why is None and traced is not None:
+            self.size_guards.note(traced, func.__name__, result, forward_effects.user_location())
+        return result
 
     @staticmethod
     def caller():
@@ -263,10 +272,12 @@ class ExporterWarnings:
         self._catcher.__exit__(*exc_info)
         if exc_info[0] is not None:
             return False
-        problems, self.frozen_values = [], []
+        problems, self.frozen_values, self.sizes_read_untraced = [], [], []
         changed = [name for name, tensor in self.inputs.items() if tensor._version != self._versions[name]]
         changed_state = {name for name, tensor in self.state.items() if tensor._version != self._versions[name]}
         for heard in self.heard:
+            if re.search(_LEN, heard.message):  # a size as a Python int: the trace holds it, no guard sees it
+                self.sizes_read_untraced += [heard.describe()] if heard.describe() not in self.sizes_read_untraced else []
             if _is_harmless(heard):
                 continue
             mutation = re.search(_MUTATION, heard.message)
@@ -279,6 +290,8 @@ class ExporterWarnings:
                 problem = f"{heard.describe()}: {self.values.from_values[heard.where]}"
                 problems += [problem] if problem not in problems else []
                 continue
+            if re.search(_FROZEN_VALUE, heard.message) and heard.where in self.values.size_guards.guarded:
+                continue  # a decision on sizes alone: a guard of the graph (size_guards.py)
             if re.search(_FROZEN_VALUE, heard.message):
                 self.frozen_values += [heard.describe()] if heard.describe() not in self.frozen_values else []
                 continue

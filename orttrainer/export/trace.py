@@ -13,6 +13,7 @@ again from the state a first call leaves; then the exported model made the graph
 
 import contextlib
 import io
+from dataclasses import dataclass
 
 import onnx
 import torch
@@ -24,6 +25,7 @@ from . import forward_effects, symbolics
 from .as_trained import WRAPPED, keeping_no_activations, with_loss
 from .exported_graph import loss_tensors_as_constants, resolve_markers, strip_wrapper_prefix
 from .exporter_warnings import ExporterWarnings, ValuesTurnedPython
+from .size_guards import NO_GUARDS, Guards
 from .refusals import (ExportError, HookAndFunctionSpy, functions_as_their_forward, refuse_custom_backward,
                        refuse_draws_outside_torch, refuse_state_changes)
 from ..graph import rewrites
@@ -41,8 +43,7 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
     serialized (docs/stack_facts.md). ``constants`` go to forward as they are, so the graph
     holds what they chose. With ``loss_index`` (the loss among the outputs), what carries a
     hand-written backward is refused (``_WeightsAsInputs``).
-    Returns the ModelProto, {Gather node: exported_graph.EmbeddingLookup} and the locations where the trace
-    froze a value of this batch (see ``exporter_warnings._FROZEN_VALUE``).
+    Returns the ModelProto, {Gather node: exported_graph.EmbeddingLookup} and the trace's ``TraceFacts``.
     """
     wrapper = with_loss(model, loss_fn, forward_names, constants)
     devices = [inputs[0].device.index or 0] if inputs and inputs[0].is_cuda else []
@@ -51,7 +52,7 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
     def export_once():
         return _traced_export(model, wrapper, inputs, desc_inputs, desc_outputs, opset, devices, loss_index)
 
-    serialized, heard, module_state_before = _export_from_the_state_of_a_first_call(model, loss_fn, export_once)
+    serialized, facts, module_state_before = _export_from_the_state_of_a_first_call(model, loss_fn, export_once)
     mismatch = _outputs_differing_by_mode(model, wrapper, desc_outputs)
     if mismatch:
         raise mismatch
@@ -63,11 +64,22 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
     lookups = resolve_markers(exported)
     rewrites.torch_pools(exported)  # first: torch's pools can make fewer windows than ONNX's, whose sizes folding reads
     rewrites.fold_static_sizes(exported, _module_tensor_names(model))
-    return exported, lookups, heard.frozen_values
+    return exported, lookups, facts
+
+
+@dataclass
+class TraceFacts:
+    """What a trace took from its batch beyond the graph: ``frozen_values``, where it froze a Python value of unknown
+    origin (``exporter_warnings._FROZEN_VALUE``); ``guards``, its decisions on sizes (``size_guards.Guards``);
+    ``sizes_read_untraced``, where it read a size as a plain int (``len(tensor)``), which no guard sees."""
+
+    frozen_values: list
+    guards: Guards
+    sizes_read_untraced: list
 
 
 def _export_from_the_state_of_a_first_call(model, loss_fn, export_once):
-    """``export_once()`` (serialized, heard) and the module's state it started from (``forward_effects.module_state``).
+    """``export_once()`` (serialized, TraceFacts) and the module's state it started from (``forward_effects.module_state``).
 
     A forward may set state at its first call in training mode and keep it (a cache filled, a flag set): the graph
     is traced from that state, as a forward run before the trace left it (buffers put back, as ``as_trained``
@@ -76,7 +88,7 @@ def _export_from_the_state_of_a_first_call(model, loss_fn, export_once):
     before = forward_effects.module_state(model, loss_fn)
     with forward_effects.buffers_kept(model):
         try:
-            serialized, heard = export_once()
+            serialized, facts = export_once()
             failed = None
         except ExportError as error:
             failed = error
@@ -84,7 +96,7 @@ def _export_from_the_state_of_a_first_call(model, loss_fn, export_once):
     if not changed and failed is not None:
         raise failed
     if not changed:
-        return serialized, heard, before
+        return serialized, facts, before
     before = forward_effects.module_state(model, loss_fn)
     return (*export_once(), before)
 
@@ -108,6 +120,7 @@ class _WeightsAsInputs(torch.nn.Module):
         vars(self)["wrapper"] = wrapper  # not a submodule: its tensors would be the traced module's parameters
         self.count, self.loss_index = count, loss_index
         self.spy = HookAndFunctionSpy()  # entered around the export, beneath ValuesTurnedPython (which names lines)
+        self.size_guards, self.guards = None, NO_GUARDS  # set by _traced_export; compiled at the end of forward
         self.weights, seen = {}, set()
         for name, tensor in wrapper.state_dict(keep_vars=True).items():
             if isinstance(tensor, torch.Tensor) and id(tensor) not in seen:
@@ -125,6 +138,9 @@ class _WeightsAsInputs(torch.nn.Module):
             outputs = self.wrapper(*inputs[: self.count])
         if self.loss_index is not None:
             refuse_custom_backward(outputs[self.loss_index], self.spy.hooks)
+        if self.size_guards is not None:  # the traced graph is the exporter's to change once forward returns
+            self.guards = self.size_guards.compile(torch._C._get_tracing_state().graph(), list(inputs[: self.count]),
+                                                   list(self.weights.values()))  # fmt: skip
         return outputs
 
 
@@ -138,8 +154,7 @@ def _scope_name(path: str) -> str:
 
 def _traced_export(model, wrapper, inputs, desc_inputs, desc_outputs, opset, devices, loss_index=None):
     """One ``torch.onnx.export`` of ``wrapper`` (orttrainer's symbolics registered, exporter warnings heard; with
-    ``loss_index``, custom backwards refused: ``_WeightsAsInputs``): the serialized model and the
-    ``ExporterWarnings`` that heard it."""
+    ``loss_index``, custom backwards refused: ``_WeightsAsInputs``): the serialized model and its ``TraceFacts``."""
     buffer = io.BytesIO()
     try:
         values = ValuesTurnedPython()
@@ -147,6 +162,7 @@ def _traced_export(model, wrapper, inputs, desc_inputs, desc_outputs, opset, dev
         state = {WRAPPED + name: tensor for name, tensor in model.state_dict().items()}
         # autograd on whatever the caller's mode (an eval_step under torch.no_grad() builds a graph that trains)
         traced = _WeightsAsInputs(wrapper, len(inputs), loss_index)
+        traced.size_guards = values.size_guards
         with torch.random.fork_rng(devices=devices), symbolics.exporting(), torch.enable_grad(), \
                 keeping_no_activations(), ExporterWarnings(values, inputs_by_name, state) as heard, traced.spy, \
                 functions_as_their_forward(), _NoGradResultsDetached(), values:
@@ -171,7 +187,7 @@ def _traced_export(model, wrapper, inputs, desc_inputs, desc_outputs, opset, dev
         first_line = str(error).strip().split("\n", 1)[0]  # the rest is a dump of the traced graph: in the cause below
         failed = ExportError(f"torch.onnx.export of {type(model).__name__} failed: {first_line}{_known_fix(model, first_line)}")
         raise mismatch or failed from error
-    return buffer.getvalue(), heard
+    return buffer.getvalue(), TraceFacts(heard.frozen_values, traced.guards, heard.sizes_read_untraced)
 
 
 def _known_fix(model, message: str) -> str:

@@ -187,7 +187,7 @@ class TorchExport:
     state: dict  # the module's state_dict tensors themselves (detached: the trainer's weights are these)
     onnx_model: onnx.ModelProto
     lookups: dict  # {Gather node name: exported_graph.EmbeddingLookup}
-    frozen_values: list  # where the trace froze a value of this batch (exporter_warnings._FROZEN_VALUE)
+    trace_facts: trace.TraceFacts  # what the trace took from this batch: frozen values, decisions on sizes
 
 
 class TorchSource:
@@ -204,10 +204,13 @@ class TorchSource:
         self.described = f"{type(model).__name__} ({progress.size_of(model.parameters())})"
         self.forward_names = _forward_names(model, input_names, loss_fn)
         self.loss_fn, self.options, self.model_desc = loss_fn, options, model_desc
+        # an inferred model_desc makes every axis of integer inputs dynamic (padded lengths) until a graph needs them
+        # fixed (graph_cache.GraphCache._build)
+        self.lengths_dynamic = True
 
     def export(self, input_names, inputs, constants, compared_only=False) -> TorchExport:
         """Export at this batch and these constants (forward's keywords baked into the trace); ``model_desc``
-        None: inferred from them (dim 0 dynamic). The graph holds no weights: they are graph inputs. The module
+        None: inferred from them (the sizes of the batch dynamic: ``model_desc.infer_model_desc``). The graph holds no weights: they are graph inputs. The module
         is left as it was: its modes, attributes and buffers (forward in training mode moves BatchNorm's statistics).
 
         ``compared_only``: the graph is only compared with the one built at the same shapes from other
@@ -224,18 +227,18 @@ class TorchSource:
         batch = [tensor.detach().to(self.device, copy=True) for tensor in inputs]
         outputs, form = as_trained.sample_outputs(module, loss_fn, self.forward_names, batch, constants)
         outputs = list(outputs)
-        desc = self.model_desc or infer_model_desc(input_names, batch, outputs, form)
+        desc = self.model_desc or infer_model_desc(input_names, batch, outputs, form, self.lengths_dynamic)
         # given the loss, the trace refuses custom backwards (not again where the graph is only compared with one built)
         loss_index = None if compared_only else _loss_index(desc, outputs, loss_fn, inferred=self.model_desc is None)
         with recompute.checkpointed_modules(module) as checkpointed:  # carried to the build in the graph's metadata
-            onnx_model, lookups, frozen_values = trace.export_to_onnx(
+            onnx_model, lookups, trace_facts = trace.export_to_onnx(
                 module, batch, loss_fn, self.forward_names, [(entry.name, entry.shape) for entry in desc.inputs],
                 [(entry.name, entry.shape) for entry in desc.outputs], self.options._internal_use.onnx_opset_version,
                 constants=constants, loss_index=loss_index,
             )  # fmt: skip
         recompute.mark_checkpointed(onnx_model, checkpointed)
         state = {name: tensor.detach() for name, tensor in module.state_dict(keep_vars=True).items()}
-        return TorchExport(batch, dict(constants), desc, outputs, state, onnx_model, lookups, frozen_values)
+        return TorchExport(batch, dict(constants), desc, outputs, state, onnx_model, lookups, trace_facts)
 
 
 def from_torch(source, exported, device, providers, data_parallel=None, shared=None) -> Runtime:

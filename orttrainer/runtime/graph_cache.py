@@ -1,17 +1,27 @@
-"""Which graph serves which batch of a torch module: one graph per batch shape signature where the trace needs it.
+"""Which graph serves which batch of a torch module: one graph for every batch shape its trace is generic in.
 
-The TorchScript exporter traces the module at one batch, and a trace can hold sizes of that
-batch (the Reshape shapes of seq-first attention, the branch a Python ``if`` on a shape took):
-right at that batch's shapes, wrong at others. It always holds what the step's constants chose
-(``return_loss=True``, ``output_hidden_states``: keywords forward gets as Python values). So the
-first batch of every new signature (the inputs' names, shapes and dtypes, and the constants'
-names, types and values) is exported again and compared with the graphs already built,
-without their weights: the same graph (a trace generic in those shapes: checked, not
-assumed) serves the new signature too; another graph is built over the same weight tensors
-(``build.from_torch(..., shared=)``), so one optimizer, one set of gradient buffers, BatchNorm
-statistics, scales and checkpoint serve all graphs. At most ``MAX_GRAPHS`` built graphs are
-kept; the least recently used is dropped with its sessions, and a warning says once that the
-shapes keep changing.
+The TorchScript exporter traces the module at one batch. The trace declares dynamic the batch dimension of every
+input and every axis of integer and bool inputs (token ids, masks, labels: padded lengths; model_desc.infer_model_desc),
+and it can hold sizes of its batch: in constants (the Reshape shapes of seq-first attention, a ``len()``), or in the
+branch a Python decision on a size took (``if q_length > 1:``). It always holds what the step's constants chose
+(``return_loss=True``: keywords forward gets as Python values). So a graph serves a batch of another shape signature
+(the inputs' names, shapes and dtypes, and the constants' names, types and values) in one of two ways:
+
+- without an export (``_Graph.serves``): the batch differs from the graph's first one only in axes at whose other
+  sizes an export already gave the same graph (``_Graph.varying``), and every Python decision the trace took on sizes
+  comes out the same at the new sizes (its guards, export/size_guards.py, computed on meta tensors in milliseconds).
+  Two exports at different sizes that give the same graph show that no size of those axes is held in it; the guards
+  show that no branch the module's Python takes changes at the new sizes. A trace that read a size as a plain int
+  (``len(tensor)``) or froze a value of unknown origin serves no new signature without an export.
+- with an export at the new batch, compared with the graphs already built, without their weights: the same graph
+  serves the new signature too (and its ``varying`` axes grow where its guards hold); another graph is built over
+  the same weight tensors (``build.from_torch(..., shared=)``), so one optimizer, one set of gradient buffers,
+  BatchNorm statistics, scales and checkpoint serve all graphs.
+
+A graph that cannot train with dynamic lengths (a rewrite written for a fixed size along one: ``GradientBuildError``)
+is exported again with those lengths fixed, for this and every later batch (``_build``). At most ``MAX_GRAPHS``
+built graphs are kept; the least recently used is dropped with its sessions, and a warning says once that the shapes
+keep changing.
 
 A trace that froze values of its batch (``exporter_warnings._FROZEN_VALUE``: a tensor turned into a Python
 number or bool) is right when those values come from shapes or constants, wrong when they come
@@ -30,16 +40,38 @@ import torch
 
 from . import build
 from ..export import exporter_warnings
+from ..graph.graph_errors import GradientBuildError
 
 MAX_GRAPHS = 8  # built graphs kept (each holds a training and an eval session)
 
 
 class _Graph:
-    """A built graph, the structure it is recognised by (``_structure``) and the model_desc the trainer
-    shows while it serves (``_any_size`` of an inferred one)."""
+    """A built graph, the structure it is recognised by (``_structure``), the model_desc the trainer shows while it
+    serves (``_any_size`` of an inferred one), and what lets it serve a batch of other sizes without an export.
 
-    def __init__(self, runtime, structure: bytes, desc):
-        self.runtime, self.structure, self.desc = runtime, structure, desc
+    ``signature`` is the batch it was traced at; ``guards`` (``size_guards.Guards``) the decisions its trace took on
+    sizes; ``varying`` the (input, axis) pairs at whose other sizes an export gave this same graph. A batch that
+    differs from ``signature`` in those axes alone and takes every guard as the trace did is served as it is
+    (``serves``); ``generic`` is False where no guard can tell (a size read as a plain int, a frozen value of unknown
+    origin), and then every new signature is exported and compared.
+    """
+
+    def __init__(self, runtime, structure: bytes, desc, signature, trace_facts):
+        self.runtime, self.structure, self.desc, self.signature = runtime, structure, desc, signature
+        self.guards = trace_facts.guards
+        self.generic = not trace_facts.frozen_values and not trace_facts.sizes_read_untraced
+        self.varying = set()
+
+    def serves(self, signature, inputs) -> bool:
+        """Whether a batch of this new ``signature`` (``inputs`` its tensors) is this graph's without an export."""
+        differing = _differing_axes(self.signature, signature)
+        return self.generic and differing is not None and differing <= self.varying and self.guards.hold(inputs)
+
+    def served_at(self, signature, inputs) -> None:
+        """An export at ``signature`` gave this graph: the axes it differs in are free where the guards hold."""
+        differing = _differing_axes(self.signature, signature)
+        if self.generic and differing is not None and self.guards.hold(inputs):
+            self.varying |= differing
 
 
 class _ValuesCheck:
@@ -47,7 +79,7 @@ class _ValuesCheck:
     one more export (with the signature's constants), which must give the same graph."""
 
     def __init__(self, exported, structure: bytes):
-        self.locations, self.first_inputs, self.structure = exported.frozen_values, exported.inputs, structure
+        self.locations, self.first_inputs, self.structure = exported.trace_facts.frozen_values, exported.inputs, structure
         self.constants = exported.constants
 
     def done(self, source, input_names, inputs) -> bool:
@@ -79,18 +111,21 @@ class GraphCache:
         self._warned = False
 
     def runtime_for(self, input_names, inputs, constants) -> build.Runtime:
-        """The Runtime of this batch's signature; the first batch of a new one exports (and maybe builds)."""
+        """The Runtime of this batch's signature; the first batch of a new one is served by a graph that
+        ``serves`` it, or exported (and maybe built)."""
         signature = _signature(input_names, inputs, constants)
         entry = self._signatures.get(signature)
         if entry is None:
-            entry = self._signatures[signature] = self._add(input_names, inputs, constants)
+            serving = next((graph for graph in reversed(self._graphs.values()) if graph.serves(signature, inputs)), None)
+            entry = [serving, None] if serving is not None else self._add(signature, input_names, inputs, constants)
+            self._signatures[signature] = entry
         elif entry[1] is not None and entry[1].done(self._source, input_names, inputs):
             entry[1] = None
         self._graphs.move_to_end(entry[0].structure)
         self.model_desc = entry[0].desc
         return entry[0].runtime
 
-    def _add(self, input_names, inputs, constants) -> list:
+    def _add(self, signature, input_names, inputs, constants) -> list:
         """Export at this batch and constants; reuse the built graph it equals, or build one over the same weights."""
         model, loss_fn, options, model_desc = self._given
         if self._source is None:
@@ -100,13 +135,31 @@ class GraphCache:
         structure = _structure(exported.onnx_model)
         graph = self._graphs.get(structure)
         if graph is None:
-            runtime = build.from_torch(self._source, exported, *self._where, shared=shared)
-            runtime.check_export()
+            runtime, exported = self._build(exported, shared, input_names)
+            structure = _structure(exported.onnx_model)
             desc = runtime.model_desc if model_desc is not None else _any_size(runtime.model_desc)
-            graph = self._graphs[structure] = _Graph(runtime, structure, desc)
+            graph = self._graphs[structure] = _Graph(runtime, structure, desc, signature, exported.trace_facts)
             self.built += 1
             self._drop_least_recently_used()
-        return [graph, _ValuesCheck(exported, structure) if exported.frozen_values else None]
+        else:
+            graph.served_at(signature, inputs)
+        frozen = exported.trace_facts.frozen_values
+        return [graph, _ValuesCheck(exported, structure) if frozen else None]
+
+    def _build(self, exported, shared, input_names):
+        """The Runtime of ``exported`` and the export it was built from: where the graph cannot train with the lengths
+        of integer inputs dynamic (a rewrite that needs a fixed size along them), those lengths are fixed in this and
+        every later export, and the graph is built per length."""
+        try:
+            runtime = build.from_torch(self._source, exported, *self._where, shared=shared)
+        except GradientBuildError:
+            if not self._source.lengths_dynamic or self._given[3] is not None:
+                raise
+            self._source.lengths_dynamic = False
+            exported = self._source.export(input_names, exported.inputs, exported.constants)
+            runtime = build.from_torch(self._source, exported, *self._where, shared=shared)
+        runtime.check_export()
+        return runtime, exported
 
     def _drop_least_recently_used(self) -> None:
         if len(self._graphs) <= MAX_GRAPHS:
@@ -118,8 +171,8 @@ class GraphCache:
             self._warned = True
             warnings.warn(
                 f"orttrainer: the batch shapes keep changing: {self.built} graphs built so far (an export and a graph "
-                f"build each), at most {MAX_GRAPHS} kept; pad batches to a few fixed lengths (e.g. a tokenizer's "
-                "pad_to_multiple_of=8) so that fewer graphs are built"
+                f"build each), at most {MAX_GRAPHS} kept: this model's trace holds sizes of its batch; pad batches to a "
+                "few fixed lengths (e.g. a tokenizer's pad_to_multiple_of=16) or image sizes so that fewer graphs are built"
             )
 
 
@@ -128,6 +181,20 @@ def _signature(input_names, inputs, constants) -> tuple:
     and repr (True, 1 and 1.0 are equal in Python but not to the trace; repr makes a NaN equal itself)."""
     tensors = tuple((name, tuple(tensor.shape), tensor.dtype) for name, tensor in zip(input_names, inputs))
     return tensors, tuple(sorted((name, type(value), repr(value)) for name, value in constants.items()))
+
+
+def _differing_axes(first, other):
+    """{(input index, axis)} where signature ``other``'s sizes differ from ``first``'s; None if they differ in more
+    than sizes (names, ranks, dtypes or constants)."""
+    (first_tensors, first_constants), (other_tensors, other_constants) = first, other
+    if first_constants != other_constants or len(first_tensors) != len(other_tensors):
+        return None
+    differing = set()
+    for index, ((name, shape, dtype), (other_name, other_shape, other_dtype)) in enumerate(zip(first_tensors, other_tensors)):
+        if (name, len(shape), dtype) != (other_name, len(other_shape), other_dtype):
+            return None
+        differing |= {(index, axis) for axis, (size, other_size) in enumerate(zip(shape, other_shape)) if size != other_size}
+    return differing
 
 
 def _structure(model: onnx.ModelProto) -> bytes:

@@ -1,0 +1,222 @@
+"""Batches padded to their own longest sequence: one graph for every length where the trace is generic in it.
+
+A graph serves a batch of other sizes without an export once an export at other sizes gave the same graph and
+the Python decisions its trace took on sizes (its guards, export/size_guards.py) come out the same for the new
+batch. Each test trains through the public API against a torch loop, losses and every state_dict key, and counts
+the exports and graphs it took.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import zoo
+from parity import assert_within_float32_error, cpu_options, run_parity, train_keywords_like_torch
+
+from orttrainer import ORTTrainer, optim
+from orttrainer.runtime import build
+
+VOCAB = 30
+
+
+@pytest.fixture
+def exports(monkeypatch):
+    """The number of exports the trainers of a test made: a list holding one count."""
+    counted = [0]
+    export = build.TorchSource.export
+
+    def counting(self, *args, **kwargs):
+        counted[0] += 1
+        return export(self, *args, **kwargs)
+
+    monkeypatch.setattr(build.TorchSource, "export", counting)
+    return counted
+
+
+def _sgd(parameters):
+    return torch.optim.SGD(parameters, lr=0.1)
+
+
+def _compare_outputs(outputs, expected, expected64, where):
+    assert_within_float32_error(outputs.loss, expected.loss.detach(), expected64.loss.detach(), f"{where} loss")
+    assert_within_float32_error(outputs.logits, expected.logits.detach(), expected64.logits.detach(), f"{where} logits")
+
+
+@pytest.mark.parametrize("make", [zoo.bert_classifier, zoo.gpt2_lm], ids=["bert-classifier", "gpt2-lm"])
+def test_one_graph_trains_every_padded_length_like_torch(exports, make):
+    """Seven lengths and two batch sizes, each batch padded to its own longest: one graph, three exports (the first
+    batch, one at a new length, one at a new batch size), the rest served by the guards."""
+    pytest.importorskip("transformers", reason="the Hugging Face zoo needs transformers (the test extra)")
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(7)
+    batch = zoo.classification_batch if make is zoo.bert_classifier else zoo.causal_lm_batch
+    shapes = [(2, 8), (2, 12), (2, 9), (3, 20), (2, 5), (2, 31), (3, 2), (2, 8)]
+    batches = [batch(*shape, generator=generator) for shape in shapes]
+    model = make()
+    reference, reference64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), options=cpu_options())
+    train_keywords_like_torch(trainer, reference, reference64, batches, 0.1, _compare_outputs)
+    assert trainer._graphs.built == 1
+    assert exports[0] == 3
+
+
+class BranchesOnLength(nn.Module):
+    """A Python ``if`` on the padded length: sequences longer than 6 are read backwards and doubled."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, tokens):
+        states = self.tokens(tokens)
+        if tokens.shape[1] > 6:
+            states = states.flip(1) * 2
+        return self.head(states.mean(1))
+
+
+def _token_batches(shapes, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, VOCAB, shape, generator=generator), torch.randint(0, 3, shape[:1], generator=generator))
+            for shape in shapes]  # fmt: skip
+
+
+def test_a_branch_on_the_length_trains_like_torch_on_both_sides_of_it(exports):
+    """The guard ``tokens.shape[1] > 6`` takes the other branch at 9 and 12: another graph, exported there; at 5 and
+    4 the first graph again, without an export."""
+    torch.manual_seed(0)
+    shapes = [(4, 3), (4, 5), (4, 9), (4, 4), (4, 12), (4, 11), (4, 2)]
+    trainer, _ = run_parity(BranchesOnLength(), _token_batches(shapes), optim.SGDConfig(lr=0.1), _sgd, loss_fn=F.cross_entropy)
+    assert trainer._graphs.built == 2
+    assert exports[0] == 4  # 3 (first), 5 (a new length), 9 (the guard fails), 12 (a second length of that graph)
+
+
+class PoolsByLen(nn.Module):
+    """``len()`` of a tensor is a plain int to the tracer: no guard sees what it decides."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, tokens):
+        states = self.tokens(tokens).transpose(0, 1)
+        kept = states[: len(states) // 2 + 1]
+        return self.head(kept.mean(0))
+
+
+def test_a_size_read_by_len_is_exported_at_every_new_length(exports):
+    torch.manual_seed(0)
+    shapes = [(4, 4), (4, 6), (4, 7), (4, 4), (4, 9)]
+    trainer, _ = run_parity(PoolsByLen(), _token_batches(shapes, seed=1), optim.SGDConfig(lr=0.1), _sgd,
+                            loss_fn=F.cross_entropy)  # fmt: skip
+    assert exports[0] == 4  # every new signature
+    assert trainer._graphs.built == 3  # the trace holds the slice's end: 3 at length 4, 4 at lengths 6 and 7, 5 at 9
+
+
+class CountsMaskedTokens(nn.Module):
+    """A decision on a size that depends on the data (how many tokens a boolean mask keeps): no guard can compute it
+    from shapes, so it stays a frozen value checked against every new batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, tokens):
+        states = self.tokens(tokens)
+        kept = states[tokens > 0]
+        scale = 2.0 if kept.shape[0] > 12 else 1.0
+        return self.head(states.mean(1) * scale)
+
+
+def test_a_size_that_depends_on_the_data_is_no_guard(exports):
+    torch.manual_seed(0)
+    model = CountsMaskedTokens()
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
+    tokens, labels = _token_batches([(4, 5)], seed=2)[0]
+    trainer.train_step(tokens, labels)
+    with pytest.raises(Exception, match="kept.shape"):  # the same shapes, fewer kept tokens: another branch
+        trainer.train_step(torch.zeros_like(tokens), labels)
+
+
+def test_the_first_step_check_runs_at_every_built_graph(monkeypatch):
+    """Each graph is checked against torch at its first step; one serving many lengths, once."""
+    references = []
+    torch_reference = build._torch_reference
+    monkeypatch.setattr(build, "_torch_reference", lambda *args: references.append(1) or torch_reference(*args))
+    torch.manual_seed(0)
+    shapes = [(4, 3), (4, 5), (4, 4), (4, 9), (4, 12), (4, 2)]
+    trainer, _ = run_parity(BranchesOnLength(), _token_batches(shapes), optim.SGDConfig(lr=0.1), _sgd, loss_fn=F.cross_entropy)
+    assert trainer._graphs.built == 2 and len(references) == 2
+
+
+class CumulatesOverTokens(nn.Module):
+    """A cumulative sum along the sequence, whose gradient rewrite is written for a fixed length."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, tokens):
+        return self.head(self.tokens(tokens).cumsum(1)[:, -1])
+
+
+def test_a_graph_that_needs_fixed_lengths_is_built_per_length(exports):
+    """The first build fails with the lengths dynamic; the trainer fixes them and builds a graph per length."""
+    torch.manual_seed(0)
+    shapes = [(4, 5), (4, 7), (3, 5), (4, 7)]
+    trainer, _ = run_parity(CumulatesOverTokens(), _token_batches(shapes, seed=3), optim.SGDConfig(lr=0.1), _sgd,
+                            loss_fn=F.cross_entropy)  # fmt: skip
+    assert trainer._graphs.built == 2  # lengths 5 and 7; the batch dimension stays dynamic
+    assert exports[0] == 4  # the first batch twice (lengths dynamic, then fixed), then lengths 7 and the batch of 3
+
+
+class DecidesOnSizes(nn.Module):
+    """Python decisions of several kinds on sizes: a comparison, an int of a quotient, an equality of two lengths."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, tokens, mask):
+        states = self.tokens(tokens) * mask.unsqueeze(-1)
+        half = int(tokens.shape[1] / 2)  # an int of a float: 2.5 and 2 give 2
+        if tokens.shape[1] > 4 and mask.shape[1] == tokens.shape[1]:
+            states = states[:, :half]
+        return self.head(states.mean(1))
+
+
+@pytest.mark.parametrize(
+    ("traced", "other", "holds"),
+    [((2, 5), (2, 5), True), ((2, 5), (7, 5), True), ((2, 5), (2, 4), False), ((2, 6), (2, 7), True),
+     ((2, 6), (2, 8), False), ((2, 6), (1, 6), True), ((2, 6), (0, 6), True), ((2, 3), (2, 2), True),
+     ((2, 3), (2, 1), False), ((2, 1), (2, 0), True), ((2, 5), (2, 5, "mask 4"), False)],
+    ids=["same", "other batch", "at the threshold", "same half of 7", "another half", "batch of 1", "empty batch",
+         "same half of 2", "half 0 at length 1", "empty length", "mask of another length"])  # fmt: skip
+def test_guards_hold_exactly_where_every_decision_comes_out_the_same(traced, other, holds):
+    """The guards of a trace at ``traced`` (batch, length), computed at ``other``'s shapes on meta tensors, against
+    torch's own Python at those shapes."""
+    from orttrainer.export import exporter_warnings
+
+    model = DecidesOnSizes()
+    batch = [torch.ones(traced, dtype=torch.long), torch.ones(traced)]
+    values = exporter_warnings.ValuesTurnedPython()
+
+    def traced_forward(tokens, mask, *weights):
+        states = model(tokens, mask)
+        guards.append(values.size_guards.compile(torch._C._get_tracing_state().graph(), [tokens, mask], list(weights)))
+        return states
+
+    guards = []
+    with values:
+        torch.jit.trace(traced_forward, (*batch, *model.parameters()), check_trace=False)
+    (guards,) = guards
+    mask_length = 4 if len(other) == 3 else other[1]
+    shapes = [torch.empty(other[:2], dtype=torch.long), torch.empty(other[0], mask_length)]
+    assert guards.hold(shapes) is holds
+    assert len(values.size_guards.guarded) == 2  # the two lines that decide
