@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from models import MLP, TwoHeads, mlp_batch, two_head_batch, two_head_loss
 from parity import cpu_options, run_parity
-from zoo import BagOfWordsClassifier
+from zoo import BagOfWordsClassifier, bert_classifier, classification_batch
 
 from orttrainer import ORTTrainer, optim
 from orttrainer.api.model_desc import _ORTTrainerModelDesc, match_inputs
@@ -113,3 +113,13 @@ def test_an_onnx_model_takes_no_constants():
         match_inputs(mlp_batch(), {"scale": 2.0}, desc)
     with pytest.raises(TypeError, match=r"input 'label' must be a torch.Tensor, got int"):
         match_inputs((mlp_batch()[0],), {"label": 3}, desc)
+
+
+def test_a_keyword_both_typed_and_known_to_the_loss_is_one_input():
+    """transformers' TypedDict of forward's **kwargs lists num_items_in_batch, which transformers.Trainer passes and
+    orttrainer also knows as the loss function's keyword: one graph input, not two of one name."""
+    pytest.importorskip("transformers", reason="the Hugging Face zoo needs transformers (the test extra)")
+    model = bert_classifier()
+    batch = classification_batch(2, 8, generator=torch.Generator().manual_seed(0))
+    names, _, _ = match_inputs((), {**batch, "num_items_in_batch": torch.tensor(2)}, None, model)
+    assert names == ["input_ids", "attention_mask", "labels", "num_items_in_batch"]

@@ -150,7 +150,8 @@ def forward_keywords(model: torch.nn.Module) -> list:
     wrapped = _WRAPPER_KEYWORDS if _pops_return_dict(getattr(model.forward, "__func__", model.forward)) else []
     takes_any = any(parameter.kind == inspect.Parameter.VAR_KEYWORD for parameter in parameters.values())
     loss = _LOSS_KEYWORDS if takes_any and hasattr(model, "loss_function") else []
-    return named + [name for name in _typed_keywords(parameters) + wrapped + loss if name not in named]
+    # each name once: transformers' TypedDict lists num_items_in_batch too
+    return list(dict.fromkeys(named + _typed_keywords(parameters) + wrapped + loss))
 
 
 _WRAPPER_KEYWORDS = ["return_dict"]  # what transformers' can_return_tuple takes off a forward's keywords
