@@ -1,5 +1,5 @@
 """Smoke tests of benchmarks/: bench.py on one workload, torch eager and orttrainer, one short round;
-gemm_efficiency.py on the MLP.
+gemm_efficiency.py on the MLP; first_step.py and dynamic_lengths.py on one small row.
 
 They check that the benchmark machinery runs and reports finite numbers (no timing
 asserts). The full comparison is `make bench`; `bench.py --quick` runs every contender on
@@ -88,3 +88,35 @@ def test_first_step_times_both_contenders_and_the_phases_of_orttrainer():
     assert any(line.startswith("    exported Sequential") for line in lines), result.stdout
     rows = [line for line in lines if line.startswith("| torch eager") or line.startswith("| orttrainer")]
     assert len(rows) == 2 and not any("fails" in row for row in rows), result.stdout
+
+
+@pytest.mark.slow
+def test_dynamic_lengths_quick_row_reports_time_memory_graphs_and_losses(tmp_path):
+    """dynamic_lengths.py --quick on the CNN (no transformers; three image sizes): both contenders' whole-run times,
+    peak RSS, every step's loss and the shapes they saw, orttrainer's graphs built; the JSON, table and chart."""
+    command = [sys.executable, "benchmarks/dynamic_lengths.py", "--quick", "--rows", "cnn-three-sizes", "--out", str(tmp_path)]
+    result = subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "dynamic_lengths.json").read_text())
+    assert report["settings"] == {"batches": 6, "batch": 4, "lengths": [8, 24]} and report["rounds"] == 1
+    (row,) = report["rows"]
+    assert row["name"] == "cnn-three-sizes"
+    for contender in ("torch eager", "orttrainer"):
+        entry = row[contender]
+        assert "error" not in entry, (contender, entry)
+        assert all(math.isfinite(entry[key]) and entry[key] > 0 for key in ("wall_s", "cpu_s", "peak_rss_mib", "first_step_s"))
+        assert len(entry["losses"]) == 6 and all(math.isfinite(loss) for loss in entry["losses"])
+        assert entry["shapes"] == [[32], [48], [64]] * 2 and entry["distinct_lengths"] == 3
+    assert 1 <= row["orttrainer"]["graphs_built"] <= 3
+    assert row["orttrainer"]["phases"]["export"][0] >= 1
+    assert row["speed_ratio"] > 0 and row["rss_ratio"] > 0
+    assert row["max_loss_rel_diff"] < 1e-3  # dropout off: the same losses
+    table = (tmp_path / "dynamic_lengths.md").read_text()
+    assert table.count("| cnn-three-sizes") == 1 and "graphs built" in table
+    assert (tmp_path / "dynamic_lengths.png").stat().st_size > 0
+
+
+def test_dynamic_lengths_quick_run_never_writes_the_results_directory():
+    command = [sys.executable, "benchmarks/dynamic_lengths.py", "--quick", "--out", "benchmarks/results"]
+    result = subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--quick does not write to" in result.stderr, result.stderr
