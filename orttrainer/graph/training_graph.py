@@ -205,9 +205,11 @@ def _torch_trains_rnn(node: onnx.NodeProto) -> bool:
 _DETACHED_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
 
 
-def stop_gradients(model: onnx.ModelProto, weight_names) -> None:
-    """Replace each detach that reads a value computed from the weights by ``rewrites.detached``: the same values,
-    on no path the gradient builder follows (it follows an Identity). Other detaches stay Identities.
+def stop_gradients(model: onnx.ModelProto, sources) -> None:
+    """Replace each detach that reads a value computed from ``sources`` by ``rewrites.detached``: the same values,
+    on no path the gradient builder follows (it follows an Identity). Other detaches stay Identities. The sources
+    are what the builder differentiates for: the weights and the rows of their embedding lookups
+    (``split_embedding_lookups``), so that a detach of looked-up rows (a VQ-VAE's ``q.detach()``) passes them none.
 
     Run on the graph as the builder gets it (float16 under mixed precision: ``rewrites.detached`` works in
     float32, which holds every float16 value exactly).
@@ -216,7 +218,7 @@ def stop_gradients(model: onnx.ModelProto, weight_names) -> None:
         return
     sort_topologically(model.graph)  # the float16 conversion appends its casts of the weights
     elem_types = infer_tensor_facts(model).elem_types
-    cut = [node for node in _nodes_reading(model, weight_names, elem_types) if _is_stop_gradient(node)]
+    cut = [node for node in _nodes_reading(model, sources, elem_types) if _is_stop_gradient(node)]
     unsupported = [node for node in cut if elem_types.get(node.input[0], 0) not in (*_DETACHED_TYPES, 0)]
     if unsupported:
         raise GradientBuildError("detach() of a value computed from the weights is supported for float32 and float16 "
@@ -352,7 +354,7 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
         kept = [loss_name] + [o.name for o in model.graph.output if o.name not in output_names]
         model = to_mixed_precision(model, kept)
         gradient_of = scale_loss(model, loss_name)
-    stop_gradients(model, graph_trainable)
+    stop_gradients(model, [*graph_trainable, *rows])
     dropout_ratio_times_input(model, scalable=not mixed_precision)
     rewrites.quotients_kept_apart(model)
     options = _quiet_session_options()
