@@ -63,6 +63,7 @@ class ORTTrainer:
         self._built_from = None  # module_edits.ModuleAsBuilt: the torch model as the graphs were built from it
         self._settings_as_built = []  # (key path, dict, key, value): the options and optim_config the build took
         self._window_steps = None  # batch.gradient_accumulation_steps at the last train_step
+        self._said_eval_mode = False  # whether train_step warned of a model in eval() (_warn_of_eval_mode)
         self._runtime = self._gradients = self._optimizer = None  # set by the build
         self._load_state_dict = None  # a state_dict loaded before the build, which applies it
         self._seed = torch.initial_seed() % (1 << 63)
@@ -148,11 +149,31 @@ class ORTTrainer:
 
         Returns the outputs in model_desc order (or ``fetches`` order), one tensor bare.
         """
+        self._warn_of_eval_mode()
         outputs, window_ends, accumulation = self._forward_backward(args, kwargs)
         lr = self._learning_rate()
         if window_ends and self._update_weights(lr, accumulation):
             self._train_step_info.optimization_step += 1
         return outputs
+
+    def _warn_of_eval_mode(self) -> None:
+        """Warn, once per trainer, when the model is in eval() at a train_step: orttrainer trains it in train() (as
+        the legacy ORTTrainer did, ``as_trained.as_trained``), where a torch loop would step it in eval mode. A graph
+        is traced in one mode, so following each step's mode would need a graph per mode; the warning keeps the legacy
+        behaviour and says how to get torch's."""
+        if self._said_eval_mode or self._torch_model is None or self._torch_model.training:
+            return
+        self._said_eval_mode = True
+        warnings.warn(
+            f"orttrainer: train_step with the model ({type(self._torch_model).__name__}) in eval mode (model.eval(), "
+            "and no model.train() since): orttrainer trains it in train() mode, as the legacy ORTTrainer did (dropout "
+            "on, BatchNorm normalising by the batch and updating its running statistics), where a torch loop would "
+            "step it in eval mode. Call model.train() before train_step to train as now without this warning; to train "
+            "as torch does in eval mode, put its submodules in eval() and the model in train() before the first step: "
+            "model.train(); [child.eval() for child in model.children()]. Said once per trainer",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def _forward_backward(self, args, kwargs):
         """The batch's forward and backward: its gradients summed into the window's (``_gradients.sums``), BatchNorm

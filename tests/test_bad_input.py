@@ -1,6 +1,11 @@
 """Bad input: a specific exception naming the culprit, raised before any state changes."""
 
+import logging
+import re
+
+import numpy as np
 import onnx
+import onnxruntime
 import pytest
 import torch
 import torch.nn as nn
@@ -147,6 +152,130 @@ def test_export_failure_is_wrapped_and_chained():
     assert caught.value.__cause__ is not None
     assert "\n" not in str(caught.value)  # one line: the exporter's dump of the traced graph stays in the cause
     assert trainer._training_session is None
+
+
+class _Histogram(nn.Module):
+    """torch.histc, which the exporter cannot write (aten::histc has no ONNX symbolic); prints while it is traced."""
+
+    def forward(self, x):
+        if torch.jit.is_tracing():
+            print("forward printed this while traced")
+        return x + torch.histc(x, bins=4).sum()
+
+
+class _Repeat(nn.Module):
+    def forward(self, x):
+        return x.repeat(1, 2)  # a Tile node
+
+
+class _WithBlock(nn.Module):
+    """A Linear, then ``block`` (a ``_Histogram`` or ``_Repeat``)."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.fc, self.block = nn.Linear(4, 4), block
+
+    def forward(self, x):
+        return self.block(self.fc(x))
+
+
+def test_an_op_the_exporter_cannot_write_is_named_with_its_module_and_line_and_nothing_printed(capfd, monkeypatch,
+                                                                                                caplog):  # fmt: skip
+    """torch's exporter printed its whole traced graph from C++ on stdout (hundreds of lines for a transformer) and
+    named the op only. The error names the op, the module by its qualified name and the user's line; the graph goes
+    to the 'orttrainer' logger at DEBUG; what forward prints still reaches stdout."""
+    from orttrainer import progress
+
+    monkeypatch.setattr(progress.logger, "handlers", [caplog.handler])
+    caplog.set_level(logging.DEBUG, logger=progress.logger.name)
+    trainer = make_trainer(model=_WithBlock(_Histogram()), loss_fn=F.mse_loss)
+    message = (r"torch.onnx.export of _WithBlock failed: Exporting the operator 'aten::histc' to ONNX opset version 17 "
+               r"is not supported, in module 'block' \(_Histogram\) at \S*test_bad_input.py:\d+: return x \+ "
+               r"torch.histc\(x, bins=4\).sum\(\). torch's exporter has no ONNX form for aten::histc: compute it with "
+               r"other torch ops, or train this model with torch \(torch's traced graph is logged at DEBUG by the "
+               r"'orttrainer' logger\)$")  # fmt: skip
+    with pytest.raises(ExportError, match=message):
+        trainer.train_step(torch.randn(3, 4), torch.randn(3, 4))
+    printed = capfd.readouterr()
+    assert printed.out == "forward printed this while traced\n" and printed.err == "", printed
+    graph = [record.getMessage() for record in caplog.records if record.levelno == logging.DEBUG]
+    assert len(graph) == 1 and graph[0].startswith("torch.onnx.export failed on this") and "aten::histc" in graph[0]
+
+
+def _bad_repeats(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with its Tile repeated by a 2-d tensor, which ONNX Runtime's shape inference rejects."""
+    tile = next(node for node in model.graph.node if node.op_type == "Tile")
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.array([[1, 2]], dtype=np.int64), "bad_repeats"))
+    tile.input[1] = "bad_repeats"
+    return model
+
+
+_REJECTED_TILE = (r"at Tile \(node '/model/block/Tile', module 'block'\): \[ShapeInferenceError\] 'Repeats' input must "
+                  r"be 1D tensor of type int64. The node is a step of the forward of module 'block' as the exporter "
+                  r"wrote it: compute that step with other torch ops, or train this model with torch$")  # fmt: skip
+
+
+def test_a_node_onnx_runtime_rejects_at_the_gradient_build_is_named_with_its_module():
+    """ONNX Runtime's raw error (Mamba's: 'onnxruntime::python::addObjectMethodsForTraining(...) ... Node
+    (/model/.../mixer/Tile_1) Op (Tile) [ShapeInferenceError] ...') names the op, node, module and what to do."""
+    options = cpu_options({"_internal_use": {"extra_postprocess": _bad_repeats}})
+    trainer = ORTTrainer(_WithBlock(_Repeat()), None, optim.SGDConfig(lr=0.1), loss_fn=F.mse_loss, options=options)
+    with pytest.raises(GradientBuildError, match=rf"^ONNX Runtime failed building the gradient graph {_REJECTED_TILE}"):
+        trainer.train_step(torch.randn(3, 4), torch.randn(3, 8))
+    assert trainer._training_session is None
+
+
+def test_a_node_onnx_runtime_rejects_at_session_creation_is_named_with_its_module(monkeypatch):
+    """The same at a session's creation, ONNX Runtime's own exception class (Fail) then; the build's graphs passed."""
+    from orttrainer.runtime import session
+
+    class Rejecting(session.TorchBoundSession):
+        def __init__(self, model, *args):
+            super().__init__(_bad_repeats(model), *args)
+
+    monkeypatch.setattr(session, "TorchBoundSession", Rejecting)
+    trainer = ORTTrainer(_WithBlock(_Repeat()), None, optim.SGDConfig(lr=0.1), loss_fn=F.mse_loss, options=cpu_options())
+    with pytest.raises(GradientBuildError, match=rf"^ONNX Runtime failed opening a session {_REJECTED_TILE}"):
+        trainer.train_step(torch.randn(3, 4), torch.randn(3, 8))
+
+
+def _one_node_model(op_type, name, inputs, initializers=()):
+    """A graph of one ``op_type`` node named ``name`` over ``inputs`` ({name: element type}, shape [3])."""
+    node = onnx.helper.make_node(op_type, list(inputs) + [tensor.name for tensor in initializers], ["y"], name=name)
+    graph = onnx.helper.make_graph([node], "g", [onnx.helper.make_tensor_value_info(input_name, elem_type, [3])
+                                                 for input_name, elem_type in inputs.items()],
+                                   [onnx.helper.make_empty_tensor_value_info("y")], list(initializers))  # fmt: skip
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8)
+
+
+_FLOAT, _INT64, _STRING = onnx.TensorProto.FLOAT, onnx.TensorProto.INT64, onnx.TensorProto.STRING
+
+
+@pytest.mark.parametrize("model, message", [
+    (_one_node_model("Tile", "/model/block/Tile", {"x": _FLOAT},
+                     [onnx.numpy_helper.from_array(np.array([[1, 2]], dtype=np.int64), "r")]),
+     r"at Tile \(node '/model/block/Tile', module 'block'\): \[ShapeInferenceError\] 'Repeats' input must be 1D tensor "
+     r"of type int64. The node is a step of the forward of module 'block'"),
+    (_one_node_model("Tilex", "/model/block/Tilex", {"x": _FLOAT}),
+     r"at Tilex \(node '/model/block/Tilex', module 'block'\): No Op registered for Tilex with domain_version of 17"),
+    (_one_node_model("Relu", "/model/block/Relu_Grad/Relu_0", {"x": _STRING}),
+     r"at Relu \(node '/model/block/Relu_Grad/Relu_0', module 'block'\): Type Error: Type 'tensor\(string\)' of input "
+     r"parameter \(x\) of operator \(Relu\) in node \(/model/block/Relu_Grad/Relu_0\) is invalid. The node is ONNX "
+     r"Runtime's gradient of a step of the forward of module 'block'"),
+    (_one_node_model("Add", "/model/Add", {"x": _FLOAT, "z": _INT64}),
+     r"at Add \(node '/model/Add'\): Type Error: Type parameter \(T\) of Optype \(Add\) bound to different types .* "
+     r"The node is a step of the forward of the model as the exporter wrote it: compute that step with other torch ops"),
+], ids=["shape-inference", "unknown-op", "input-type", "types-bound"])  # fmt: skip
+def test_each_way_onnx_runtime_names_a_node_it_rejects_is_read(model, message):
+    """ONNX Runtime's messages for a node its checks reject, as a session's creation raises them (Fail, InvalidGraph)."""
+    from orttrainer.graph import graph_errors
+
+    with pytest.raises(graph_errors.ONNX_RUNTIME_ERRORS) as raised:
+        onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    error = graph_errors.node_error(raised.value, "opening a session")
+    assert isinstance(error, GradientBuildError) and re.search(rf"^ONNX Runtime failed opening a session {message}",
+                                                               str(error)), error  # fmt: skip
+    assert graph_errors.node_error(RuntimeError("no node named here"), "opening a session") is None
 
 
 def test_op_without_gradient_names_op_and_module():

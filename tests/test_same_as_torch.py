@@ -872,17 +872,92 @@ def test_requires_grad_changed_on_the_module_after_the_first_step_is_refused_nam
 def test_a_module_put_in_eval_after_the_first_step_is_refused_unless_the_whole_model(whole_model):
     """A BatchNorm frozen after some steps (a detector's fine-tuning) runs on its running statistics in torch's loop;
     the trainer's graphs kept normalising by the batch, without a word. A whole model in eval() trains in train() mode,
-    as the legacy ORTTrainer did (and as a model in eval() at the first step does)."""
+    as the legacy ORTTrainer did (and as a model in eval() at the first step does), with a warning."""
     model = CNN()
     trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
     trainer.train_step(*cnn_batch())
     (model if whole_model else model.features[1]).eval()
     if whole_model:
-        trainer.train_step(*cnn_batch())
+        with pytest.warns(UserWarning, match=r"train_step with the model \(CNN\) in eval mode"):
+            trainer.train_step(*cnn_batch())
         return
     with pytest.raises(ValueError, match=r"since the trainer's first step, module 'features.1' was put in eval\(\): the "
                                          r"trainer's graphs hold the module as it was then"):  # fmt: skip
         trainer.train_step(*cnn_batch())
+
+
+def test_a_model_put_in_eval_with_a_frozen_batchnorm_is_refused_saying_why():
+    """A whole model in eval() trains every module in train(): a BatchNorm frozen at the first step would thaw. The
+    refusal says so, where it said 'put in train()' of the module the user had left alone."""
+    model = CNN()
+    model.features[1].eval()
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
+    trainer.train_step(*cnn_batch())
+    model.eval()
+    refused = (r"module 'features.1' was put in train\(\) \(the model is in eval\(\), which trains every module in "
+               r"train\(\), as the legacy ORTTrainer did: call model.train\(\) and eval\(\) on this module again\)")
+    with pytest.warns(UserWarning, match=r"in eval mode"), pytest.raises(ValueError, match=refused):
+        trainer.train_step(*cnn_batch())
+
+
+def _normed_mlp():
+    """A 3-layer MLP with BatchNorm and dropout, whose training differs between train() and eval() modes."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3),
+                         nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))  # fmt: skip
+
+
+def _normed_batches(count=3):
+    generator = torch.Generator().manual_seed(0)
+    return [(torch.randn(6, 8, generator=generator), torch.randint(0, 3, (6,), generator=generator))
+            for _ in range(count)]  # fmt: skip
+
+
+_EVAL_MODE_WARNING = (r"orttrainer: train_step with the model \(Sequential\) in eval mode \(model.eval\(\), and no "
+                      r"model.train\(\) since\): orttrainer trains it in train\(\) mode, as the legacy ORTTrainer did "
+                      r"\(dropout on, BatchNorm normalising by the batch and updating its running statistics\), where a "
+                      r"torch loop would step it in eval mode. Call model.train\(\) before train_step to train as now "
+                      r"without this warning; to train as torch does in eval mode, put its submodules in eval\(\) and the "
+                      r"model in train\(\) before the first step: model.train\(\); \[child.eval\(\) for child in "
+                      r"model.children\(\)\]. Said once per trainer")  # fmt: skip
+
+
+@pytest.mark.parametrize("eval_from", ["first-step", "a-later-step"])
+def test_a_model_in_eval_mode_trains_in_train_mode_and_says_so_once(eval_from):
+    """After model.eval() (a validation pass) and no model.train(), a torch loop steps BatchNorm on its running
+    statistics with dropout off; the trainer trains in train() mode, as the legacy ORTTrainer did: not silently."""
+    model = _normed_mlp()
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
+    batches = _normed_batches(4)
+    if eval_from == "a-later-step":
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a model in train() is not warned of
+            trainer.train_step(*batches.pop())
+    model.eval()
+    with warnings.catch_warnings(record=True) as heard:
+        warnings.simplefilter("always")
+        for batch in batches:
+            trainer.train_step(*batch)
+    said = [warning for warning in heard if "in eval mode" in str(warning.message)]
+    assert len(said) == 1 and said[0].category is UserWarning and said[0].filename == __file__, said
+    assert re.fullmatch(_EVAL_MODE_WARNING, str(said[0].message)), str(said[0].message)
+    assert int(model[1].num_batches_tracked) == 4  # every step in train(): BatchNorm counted each batch
+
+
+def test_a_model_trained_as_the_eval_mode_warning_says_steps_like_torch_in_eval_mode():
+    """The warning's recipe for torch's eval-mode training (the model in train(), its submodules in eval()) trains like
+    a torch loop stepping the model in eval(): losses and every state_dict key."""
+    model = _normed_mlp()
+    reference = copy.deepcopy(model).eval()
+    model.train()
+    for child in model.children():
+        child.eval()
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
+    optimizer = sgd(reference.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        for step, batch in enumerate(_normed_batches(), 1):
+            step_both(trainer, reference, optimizer, batch, step, F.cross_entropy)
 
 
 class Tempered(nn.Module):

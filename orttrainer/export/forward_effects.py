@@ -44,12 +44,16 @@ def user_location(frame=None) -> str:
     from ``frame`` (default: the caller's) outwards."""
     frame = frame or sys._getframe(1)
     while frame is not None:
-        filename = frame.f_code.co_filename
-        if is_users_code(filename):
-            source = linecache.getline(filename, frame.f_lineno).strip()
-            return f"{filename}:{frame.f_lineno}" + (f": {source}" if source else "")
+        if is_users_code(frame.f_code.co_filename):
+            return source_line(frame.f_code.co_filename, frame.f_lineno)
         frame = frame.f_back
     return "(unknown location)"
+
+
+def source_line(filename: str, lineno: int) -> str:
+    """'file:line: source' (without the source where Python cannot read it)."""
+    source = linecache.getline(filename, lineno).strip()
+    return f"{filename}:{lineno}" + (f": {source}" if source else "")
 
 
 @contextlib.contextmanager

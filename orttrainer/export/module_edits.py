@@ -25,6 +25,9 @@ _CONTAINERS = (("_modules", "submodule"), ("_parameters", "parameter"), ("_buffe
                ("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
                ("_backward_pre_hooks", "backward pre-hook"), ("_backward_hooks", "backward hook"))  # fmt: skip
 _MISSING = object()
+# why a module in eval() at the build counts as put in train() when the whole model is in eval() (as_trained.as_trained)
+_BY_MODEL_EVAL = (" (the model is in eval(), which trains every module in train(), as the legacy ORTTrainer did: call "
+                  "model.train() and eval() on this module again)")
 
 
 @dataclass
@@ -47,7 +50,7 @@ class ModuleAsBuilt:
             root_in_eval = not self.training[0][1].training
             found += [f"requires_grad of '{name}' went {was} -> {parameter.requires_grad}"
                       for name, parameter, was in self.requires_grad if parameter.requires_grad != was]
-            found += [f"module '{name}' was put in {'eval' if was else 'train'}()"
+            found += [f"module '{name}' was put in {'eval' if was else 'train'}()" + _BY_MODEL_EVAL * root_in_eval
                       for name, module, was in self.training if (root_in_eval or module.training) != was]
         found += changed_values(self.values)
         found += [f"{what} was {'deleted' if key not in container else 'replaced'}"

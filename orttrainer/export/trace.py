@@ -21,7 +21,7 @@ from torch.onnx import TrainingMode
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from . import forward_effects, symbolics
+from . import export_failures, forward_effects, symbolics
 from .as_trained import WRAPPED, keeping_no_activations, with_loss
 from .exported_graph import loss_tensors_as_constants, resolve_markers, strip_wrapper_prefix
 from .exporter_warnings import ExporterWarnings, ValuesTurnedPython
@@ -121,6 +121,7 @@ class _WeightsAsInputs(torch.nn.Module):
         self.count, self.loss_index = count, loss_index
         self.spy = HookAndFunctionSpy()  # entered around the export, beneath ValuesTurnedPython (which names lines)
         self.size_guards, self.guards = None, NO_GUARDS  # set by _traced_export; compiled at the end of forward
+        self.graph = None  # the traced graph, at the end of forward: an op the exporter cannot convert is found in it
         self.weights, seen = {}, set()
         for name, tensor in wrapper.state_dict(keep_vars=True).items():
             if isinstance(tensor, torch.Tensor) and id(tensor) not in seen:
@@ -138,9 +139,9 @@ class _WeightsAsInputs(torch.nn.Module):
             outputs = self.wrapper(*inputs[: self.count])
         if self.loss_index is not None:
             refuse_custom_backward(outputs[self.loss_index], self.spy.hooks)
+        self.graph = torch._C._get_tracing_state().graph()
         if self.size_guards is not None:  # the traced graph is the exporter's to change once forward returns
-            self.guards = self.size_guards.compile(torch._C._get_tracing_state().graph(), list(inputs[: self.count]),
-                                                   list(self.weights.values()))  # fmt: skip
+            self.guards = self.size_guards.compile(self.graph, list(inputs[: self.count]), list(self.weights.values()))
         return outputs
 
 
@@ -155,17 +156,17 @@ def _scope_name(path: str) -> str:
 def _traced_export(model, wrapper, inputs, desc_inputs, desc_outputs, opset, devices, loss_index=None):
     """One ``torch.onnx.export`` of ``wrapper`` (orttrainer's symbolics registered, exporter warnings heard; with
     ``loss_index``, custom backwards refused: ``_WeightsAsInputs``): the serialized model and its ``TraceFacts``."""
-    buffer = io.BytesIO()
+    buffer, printed = io.BytesIO(), export_failures.PrintedOutput()
+    traced = _WeightsAsInputs(wrapper, len(inputs), loss_index)
     try:
         values = ValuesTurnedPython()
         inputs_by_name = {name: tensor for (name, _), tensor in zip(desc_inputs, inputs)}
         state = {WRAPPED + name: tensor for name, tensor in model.state_dict().items()}
         # autograd on whatever the caller's mode (an eval_step under torch.no_grad() builds a graph that trains)
-        traced = _WeightsAsInputs(wrapper, len(inputs), loss_index)
         traced.size_guards = values.size_guards
         with torch.random.fork_rng(devices=devices), symbolics.exporting(), torch.enable_grad(), \
                 keeping_no_activations(), ExporterWarnings(values, inputs_by_name, state) as heard, traced.spy, \
-                functions_as_their_forward(), _NoGradResultsDetached(), values:
+                functions_as_their_forward(), _NoGradResultsDetached(), values, printed:
             torch.onnx.export(
                 traced,
                 (*inputs, *traced.weights.values()),
@@ -185,7 +186,9 @@ def _traced_export(model, wrapper, inputs, desc_inputs, desc_outputs, opset, dev
         # torch's own check of the output names comes first where the modes differ: say that, not what it says
         mismatch = _outputs_differing_by_mode(model, wrapper, desc_outputs)
         first_line = str(error).strip().split("\n", 1)[0]  # the rest is a dump of the traced graph: in the cause below
-        failed = ExportError(f"torch.onnx.export of {type(model).__name__} failed: {first_line}{_known_fix(model, first_line)}")
+        fix = _known_fix(model, first_line) or export_failures.what_to_do(first_line)
+        failed = ExportError(f"torch.onnx.export of {type(model).__name__} failed: {first_line}"
+                             f"{export_failures.where(error, traced.graph, wrapper)}{fix}{printed.note()}")  # fmt: skip
         raise mismatch or failed from error
     return buffer.getvalue(), TraceFacts(heard.frozen_values, traced.guards, heard.sizes_read_untraced)
 

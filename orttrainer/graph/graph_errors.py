@@ -5,6 +5,7 @@ or run on this device; RunError: ONNX Runtime failed on a batch."""
 import re
 
 import onnx
+from onnxruntime.capi import onnxruntime_pybind11_state as _ort
 
 from . import rewrites
 
@@ -71,6 +72,39 @@ def run_error(error: Exception, empty_inputs=()) -> RunError:
         message = (f"{message.rstrip('.')}. The batch is empty ({', '.join(empty_inputs)}): ONNX Runtime's kernels do "
                    "not all take a dimension of size 0, where torch's do; leave empty batches out")  # fmt: skip
     return RunError(message)
+
+
+# What ONNX Runtime raises: its C++ exceptions become RuntimeError, its failed statuses its own classes.
+ONNX_RUNTIME_ERRORS = (RuntimeError, _ort.Fail, _ort.InvalidArgument, _ort.InvalidGraph, _ort.RuntimeException,
+                       _ort.EPFail)  # fmt: skip
+
+# How ONNX Runtime's messages name the node it failed on, its op and why.
+_NODE_FAILURES = (
+    r"Node \((?P<node>[^)]*)\) Op \((?P<op>[^)]*)\) (?P<reason>.*)",  # shape and type inference
+    r'In Node, \("(?P<node>[^"]*)", (?P<op>[^,]*), .*?, Error (?P<reason>.*)',  # the graph's checks (an unknown op)
+    r"(?P<reason>Type Error: .*? (?:operator|Optype) \((?P<op>[^)]*)\).* in node \((?P<node>[^)]*)\).*)",  # types
+)
+
+
+def node_error(error: Exception, doing: str):
+    """GradientBuildError for ONNX Runtime's ``error`` while ``doing`` (building the gradient graph, opening a session)
+    naming the op, the node, its torch module, ONNX Runtime's reason and what the user can do; None when the message
+    names no node."""
+    for pattern in _NODE_FAILURES:
+        found = re.search(pattern, str(error), re.DOTALL)
+        if found:
+            break
+    else:
+        return None
+    node_name, op_type, reason = found.group("node", "op", "reason")
+    where = module_path(node_name.split("_Grad/")[0])  # a gradient node: its forward node's module
+    module = f"module '{where}'" if where else "the model"
+    step = "ONNX Runtime's gradient of a step" if "_Grad/" in node_name else "a step"
+    return GradientBuildError(
+        f"ONNX Runtime failed {doing} at {op_type} (node '{node_name}'" + (f", {module})" if where else ")")
+        + f": {reason.strip().rstrip('.')}. The node is {step} of the forward of {module} as the exporter wrote it: "
+        "compute that step with other torch ops, or train this model with torch"
+    )
 
 
 def missing_kernel_error(error: Exception, device, model: onnx.ModelProto) -> GradientBuildError:

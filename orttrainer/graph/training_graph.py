@@ -27,7 +27,7 @@ from .float16 import float32_gradient_kernels, scale_loss, to_mixed_precision
 from .graph_edits import (
     drop_trailing_empty_inputs, name_unnamed_nodes, node_inputs, remove_unused, sort_topologically, with_ir_version,
 )
-from .graph_errors import GradientBuildError, describe_node, module_path
+from .graph_errors import GradientBuildError, describe_node, module_path, node_error
 from .outputs_for_trainer import expose_running_statistics, split_embedding_lookups
 from .tensor_facts import TensorFacts, infer_tensor_facts
 from ..runtime import torch_ctc, torch_recurrent
@@ -289,13 +289,14 @@ def _add_outputs_needed_by_gradients(model: onnx.ModelProto) -> None:
 
 
 def _builder_error(error: Exception, graph: onnx.GraphProto) -> GradientBuildError:
-    """Translate the C++ builder's message into one that names the op and its module."""
+    """Translate the C++ builder's (or its graph optimizer's) message into one that names the op, node and module."""
     found = re.search(r"has not been registered: (\S+) for node (\S+)", str(error))
     if found:
         node = next((node for node in graph.node if node.name == found.group(2)), None)
         what = describe_node(node) if node is not None else f"{found.group(1)} (node '{found.group(2)}')"
         return GradientBuildError(f"onnxruntime-training has no gradient for {what}")
-    return GradientBuildError(f"building the gradient graph failed: {error}")
+    doing = "building the gradient graph"
+    return node_error(error, doing) or GradientBuildError(f"{doing} failed: {error}")
 
 
 def _quiet_session_options() -> onnxruntime.SessionOptions:
@@ -358,7 +359,10 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     dropout_ratio_times_input(model, scalable=not mixed_precision)
     rewrites.quotients_kept_apart(model)
     options = _quiet_session_options()
-    optimized = onnx.load_from_string(get_optimized_model(model.SerializeToString(), set(graph_trainable), options))
+    try:
+        optimized = onnx.load_from_string(get_optimized_model(model.SerializeToString(), set(graph_trainable), options))
+    except RuntimeError as error:
+        raise _builder_error(error, model.graph) from error
     _add_outputs_needed_by_gradients(optimized)
     _private_normalization_constants(optimized, set(graph_trainable))
     defined_gradients.register_gradient_definitions()

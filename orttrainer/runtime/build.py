@@ -529,7 +529,8 @@ def _splits_for_torch(options, device) -> bool:
 
 
 def _open_sessions(graphs, device, providers, options, one_thread: bool, convolutions: bool):
-    """(training session, eval session); a training graph ONNX Runtime has no kernel for is named.
+    """(training session, eval session); a training graph ONNX Runtime has no kernel for is named, and so is the
+    node of a graph it rejects.
 
     On the CPU with ``convolutions`` (``_convolutions_on_torch``), a graph runs its convolutions and the
     ReLU gradients between them on torch's kernels (torch_convolutions.py); the segments between them run
@@ -564,6 +565,11 @@ def _open_sessions(graphs, device, providers, options, one_thread: bool, convolu
         return train, open_graph(graphs.eval)
     except onnxruntime.capi.onnxruntime_pybind11_state.NotImplemented as error:
         raise graph_errors.missing_kernel_error(error, device, graphs.train) from error
+    except graph_errors.ONNX_RUNTIME_ERRORS as error:  # one that names a node: say which op, node and module
+        found = graph_errors.node_error(error, "opening a session")
+        if found is None:
+            raise
+        raise found from error
 
 
 def _record_input_types(model_desc, eval_model) -> None:
