@@ -332,7 +332,9 @@ class ORTTrainer:
     # ------------------------------------------------------------- state dict
     def state_dict(self, pytorch_format=False):
         """The trainer's state in the legacy layout (numpy arrays), or with ``pytorch_format``
-        the flat {name: tensor} that the torch module's ``load_state_dict`` accepts."""
+        the flat {name: tensor} that the torch module's ``load_state_dict`` accepts. Before the first
+        step: the state a load is waiting to apply (of a checkpoint, its tensors are
+        ``checkpoint.StoredTensor``, which ``np.asarray`` reads), else {}."""
         if self._runtime is None:
             warnings.warn(
                 "ONNX Runtime training session is not initialized yet. Please run train_step or eval_step "
@@ -354,8 +356,9 @@ class ORTTrainer:
         """Restore weights, optimizer state and step counters from a ``state_dict()``.
 
         Before the first step the dict is kept and applied when the sessions are built.
-        Everything is checked first (keys when ``strict``, shapes, optimizer name), so a
-        bad dict leaves the trainer unchanged.
+        Everything is checked first (keys when ``strict``, shapes, dtypes, optimizer name), so a
+        bad dict leaves the trainer unchanged; then each value is copied into the trainer's own
+        tensor (no second copy of the state).
         """
         if self._runtime is None:
             if self._torch_model is not None:
@@ -388,8 +391,12 @@ class ORTTrainer:
     def load_checkpoint(self, *paths, strict=True, allow_pickle=False):
         """Load a checkpoint written by ``save_checkpoint`` (or by the legacy ORTTrainer); return its user_dict.
 
-        Per-rank ZeRO checkpoints (several paths) are aggregated first. A legacy pickled
-        user_dict is only unpickled with ``allow_pickle=True``. All ranks must call this together and
+        One file is checked whole first (every tensor read once against the checksum saved with it; a corrupt
+        or truncated file raises ``CheckpointError`` naming the file and the tensor), then its names, shapes and
+        dtypes against the trainer's; only then is each tensor read from the file into the trainer's own, one at a
+        time, so a resume needs no memory beyond training's. Before the first step the file stays open until the
+        build applies it. Per-rank ZeRO checkpoints (several paths) are read whole and aggregated first. A legacy
+        pickled user_dict is only unpickled with ``allow_pickle=True``. All ranks must call this together and
         read the same values; if a rank cannot, every rank raises ``CheckpointError`` and none loads.
         """
         state, user_dict = read_checkpoint(paths, self._world, allow_pickle)

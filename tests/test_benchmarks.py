@@ -1,5 +1,5 @@
 """Smoke tests of benchmarks/: bench.py on one workload, torch eager and orttrainer, one short round;
-gemm_efficiency.py on the MLP; first_step.py and dynamic_lengths.py on one small row.
+gemm_efficiency.py on the MLP; first_step.py, dynamic_lengths.py and resume_memory.py on one small row.
 
 They check that the benchmark machinery runs and reports finite numbers (no timing
 asserts). The full comparison is `make bench`; `bench.py --quick` runs every contender on
@@ -120,3 +120,15 @@ def test_dynamic_lengths_quick_run_never_writes_the_results_directory():
     command = [sys.executable, "benchmarks/dynamic_lengths.py", "--quick", "--out", "benchmarks/results"]
     result = subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "--quick does not write to" in result.stderr, result.stderr
+
+
+@pytest.mark.slow
+def test_resume_memory_quick_row_measures_every_contender_and_each_resume_gives_trains_next_loss(tmp_path):
+    command = [sys.executable, "benchmarks/resume_memory.py", "--quick", "--out", str(tmp_path)]
+    result = subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = json.loads((tmp_path / "resume_memory.json").read_text())["runs"]
+    for contender in ("train", "resume", "resume before first step", "held state_dict"):
+        assert "error" not in run[contender] and run[contender]["peak_rss_gib"] > 0, (contender, run[contender])
+        assert contender == "train" or run[contender]["same_loss"], contender
+    assert (tmp_path / "resume_memory.md").read_text().count("| mlp-tiny") == 1

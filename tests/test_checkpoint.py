@@ -452,3 +452,114 @@ def test_a_mid_window_state_into_a_trainer_set_up_otherwise_is_refused_and_chang
     assert after["train_step_info"] == before["train_step_info"]
     for name, value in before["model"]["full_precision"].items():
         np.testing.assert_array_equal(after["model"]["full_precision"][name], value)
+
+
+def _live_tensors(trainer):
+    """What a resume writes into: the module's own parameters and buffers, and the optimizer's moments."""
+    optimizer = trainer._optimizer
+    moments = {f"{name}/Moment_{index}": moment for index, tensors in ((1, optimizer.moment_1), (2, optimizer.moment_2))
+               for name, moment in zip(optimizer.names, tensors)}  # fmt: skip
+    return {**trainer._torch_model.state_dict(), **moments}
+
+
+@pytest.mark.parametrize("how", ["load_checkpoint", "load_state_dict"])
+def test_a_resume_writes_the_values_into_the_trainers_own_tensors(tmp_path, monkeypatch, how):
+    """issue 47: no second copy of the state. load_checkpoint reads each tensor of the file straight into the module's
+    (and the optimizer's) memory; load_state_dict copies each value of the given dict into it."""
+    path = tmp_path / "ckpt.h5"
+    saved = adam_trainer()
+    saved.save_checkpoint(path)
+    expected = saved.state_dict()
+    trainer = adam_trainer(steps=1)
+    live = _live_tensors(trainer)
+    pointers = {name: tensor.data_ptr() for name, tensor in live.items()}
+    destinations = []
+    read_direct = h5py.Dataset.read_direct
+    monkeypatch.setattr(h5py.Dataset, "read_direct", lambda dataset, array, *args, **kwargs: (
+        destinations.append(array.ctypes.data), read_direct(dataset, array, *args, **kwargs)))  # fmt: skip
+    if how == "load_checkpoint":
+        trainer.load_checkpoint(path)
+        assert set(pointers.values()) <= set(destinations), "every tensor read from the file into the live one"
+    else:
+        trainer.load_state_dict(checkpoint.load(path))
+    assert {name: tensor.data_ptr() for name, tensor in _live_tensors(trainer).items()} == pointers
+    assert_same_state(trainer.state_dict(), expected)
+    for name, tensor in trainer._torch_model.state_dict().items():
+        np.testing.assert_array_equal(tensor.numpy(), expected["model"]["full_precision"][name], err_msg=name)
+
+
+def _flip_a_byte(path, dataset):
+    with h5py.File(path, "r") as file:
+        offset = file[dataset].id.get_offset() + file[dataset].nbytes // 2
+    with open(path, "r+b") as file:
+        file.seek(offset)
+        byte = file.read(1)[0]
+        file.seek(offset)
+        file.write(bytes([byte ^ 0x10]))
+
+
+@pytest.mark.parametrize("built", [True, False], ids=["after-the-first-step", "before"])
+def test_a_corrupt_tensor_is_named_with_its_file_and_changes_nothing(tmp_path, monkeypatch, built):
+    """Every numeric dataset carries the CRC-32 of its data. The corrupt one is an optimizer moment, applied after the
+    weights: all of the file is checked before any of it is written into the trainer (here in blocks of 4 rows)."""
+    monkeypatch.setattr(checkpoint, "_BLOCK_BYTES", 4096)
+    path = tmp_path / "ckpt.h5"
+    adam_trainer().save_checkpoint(path)
+    _flip_a_byte(path, "optimizer/head.weight/Moment_2")
+    trainer = adam_trainer(steps=1) if built else ORTTrainer(CNN(), None, optim.AdamConfig(lr=1e-2), loss_fn=F.cross_entropy,
+                                                             options=cpu_options())  # fmt: skip
+    before = trainer._torch_model.state_dict() if not built else trainer.state_dict()
+    before = copy.deepcopy(before)
+    message = rf"{path}:/optimizer/head.weight/Moment_2 is corrupt: its data does not match the checksum saved with it"
+    with pytest.raises(CheckpointError, match=message):
+        trainer.load_checkpoint(path)
+    if built:
+        assert_same_state(trainer.state_dict(), before)
+    else:
+        assert trainer._load_state_dict is None, "nothing kept for the build"
+        for name, tensor in trainer._torch_model.state_dict().items():
+            assert torch.equal(tensor, before[name]), name
+    with pytest.raises(CheckpointError, match=message):
+        checkpoint.load(path)  # read whole (per-rank files, aggregate_checkpoints): the same check
+
+
+@pytest.mark.parametrize("change, message", [
+    ("shape", r"state_dict\[optimizer\]\[head.weight\]\[Moment_2\] has shape \[10, 128\], the trainer's has \[10, 256\]"),
+    ("dtype", r"state_dict\[optimizer\]\[head.weight\]\[Moment_2\] has dtype torch.float64, the trainer's has torch.float32"),
+    ("name", r"Unexpected keys: \['head.extra'\] in state_dict\[optimizer\]"),
+])  # fmt: skip
+def test_a_checkpoint_that_does_not_fit_is_refused_from_its_metadata_naming_the_tensor_and_the_file(tmp_path, change, message):
+    state = adam_trainer().state_dict()
+    entry = state["optimizer"]["head.weight"]
+    if change == "shape":
+        entry["Moment_2"] = entry["Moment_2"][:, :128]
+    elif change == "dtype":
+        entry["Moment_2"] = entry["Moment_2"].astype(np.float64)
+    else:
+        state["optimizer"]["head.extra"] = copy.deepcopy(entry)
+    path = tmp_path / "ckpt.h5"
+    checkpoint.save(state, path)
+    trainer = adam_trainer(steps=1)
+    before = trainer.state_dict()
+    with pytest.raises(RuntimeError, match=rf"checkpoint {path} does not fit this trainer: {message}"):
+        trainer.load_checkpoint(path)
+    assert_same_state(trainer.state_dict(), before)
+
+
+def test_a_checkpoint_loaded_before_the_first_step_can_be_saved_again_and_ranks_compare_it_by_checksums(tmp_path):
+    """The pending state of a load before the first step holds the file's tensors (StoredTensor, read when saved or
+    applied). Ranks that load one file compare digests made of the checksums their check computed."""
+    from orttrainer.update.state import _values_digest
+
+    path, again, other = tmp_path / "ckpt.h5", tmp_path / "again.h5", tmp_path / "other.h5"
+    trainer = adam_trainer()
+    trainer.save_checkpoint(path)
+    expected = trainer.state_dict()
+    trainer.train_step(*cnn_batch())
+    trainer.save_checkpoint(other)
+    fresh = ORTTrainer(CNN(), None, optim.AdamConfig(lr=1e-2), loss_fn=F.cross_entropy, options=cpu_options())
+    fresh.load_checkpoint(path)
+    fresh.save_checkpoint(again)
+    assert_same_state(checkpoint.load(again), expected)
+    digests = [_values_digest(checkpoint.load(name, lazily=True)) for name in (path, again, other)]
+    assert digests[0] == digests[1] != digests[2]

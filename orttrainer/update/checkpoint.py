@@ -5,26 +5,68 @@ Moment_2,Update_Count}``, ``/optimizer/shared_optimizer_state/Step``, ``/trainer
 ``/train_step_info/*``, optional ``/partition_info/<weight>/*`` and ``/user_dict``.
 
 Values are stored natively (no pickle): dicts become groups, arrays/tensors/numbers/strings
-datasets, lists and None carry a marker attribute so they come back as written. Writes go
-to a temporary file beside the target that is flushed, synced and renamed, so ``path``
-never holds a half-written checkpoint.
+datasets, lists and None carry a marker attribute so they come back as written; a numeric
+dataset carries the CRC-32 of its data, checked whenever it is read. Writes go to a temporary
+file beside the target that is flushed, synced and renamed, so ``path`` never holds a
+half-written checkpoint.
+
+``load`` reads a file whole; ``load(path, lazily=True)`` leaves the tensors a trainer loads in the
+file (``StoredTensor``), to be read one by one straight into the trainer's own tensors.
 """
 
 import contextlib
+import math
 import os
 import pickle
 import tempfile
+import zlib
 
 import h5py
 import numpy as np
 import torch
 
 _KIND = "orttrainer_kind"  # attribute marking values HDF5 has no type for
+_CHECKSUM = "orttrainer_crc32"  # attribute: the CRC-32 of a numeric dataset's data, as written
+_NUMERIC = "biufc"  # numpy dtype kinds that carry a checksum and can be StoredTensors
 _CHECKPOINT_GROUPS = ("model", "optimizer", "train_step_info", "trainer_options")
+_TENSOR_GROUPS = ("model", "optimizer", "gradient_accumulation")  # what a trainer copies into its own tensors
+_BLOCK_BYTES = 64 << 20  # how much of a dataset ``_verify`` reads at once
 
 
 class CheckpointError(ValueError):
     """A file that is not a complete checkpoint, or a value that cannot be stored."""
+
+
+def _checksum(array: np.ndarray, running: int = 0) -> int:
+    """CRC-32 of ``array``'s bytes; ``running``: that of the blocks before it, for a dataset read in blocks."""
+    return zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8), running)
+
+
+class StoredTensor:
+    """A numeric dataset of a checkpoint opened by ``load(path, lazily=True)``: ``shape`` and ``dtype`` (torch's)
+    from the file's metadata, ``checksum`` of its data (from the check when it was opened); the data is read by
+    ``read_into`` straight into a tensor, or whole by ``np.asarray``. It keeps its file open."""
+
+    def __init__(self, dataset):
+        self._dataset = dataset
+        self.shape = tuple(dataset.shape)
+        self.dtype = torch.from_numpy(np.empty(0, dataset.dtype.newbyteorder("="))).dtype
+        self.checksum = None
+
+    def __repr__(self):
+        return f"StoredTensor({_where(self._dataset)}, shape={list(self.shape)}, dtype={self.dtype})"
+
+    def read_into(self, tensor: torch.Tensor) -> None:
+        """Copy the data into ``tensor`` (same shape and dtype): into its own memory when it is a contiguous CPU
+        tensor, else through one CPU copy of this tensor alone."""
+        target = tensor.detach()
+        if target.device.type == "cpu" and target.is_contiguous():
+            self._dataset.read_direct(target.numpy())
+        else:
+            target.copy_(torch.from_numpy(np.asarray(self)))
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self._dataset[()], dtype=self._dataset.dtype.newbyteorder("=") if dtype is None else dtype)
 
 
 def _write(group, key, value, path):
@@ -44,12 +86,13 @@ def _write(group, key, value, path):
         group.create_dataset(key, data=h5py.Empty("f")).attrs[_KIND] = "none"
     elif isinstance(value, str):
         group.create_dataset(key, data=value, dtype=h5py.string_dtype("utf-8"))
-    elif isinstance(value, torch.Tensor):
-        if value.dtype == torch.bfloat16:
-            raise CheckpointError(f"{where}: bfloat16 tensors have no HDF5 type; convert to float32 first")
-        group.create_dataset(key, data=value.detach().cpu().numpy())
-    elif isinstance(value, (np.ndarray, np.generic, bool, int, float)):
-        group.create_dataset(key, data=value)
+    elif isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16:
+        raise CheckpointError(f"{where}: bfloat16 tensors have no HDF5 type; convert to float32 first")
+    elif isinstance(value, (torch.Tensor, StoredTensor, np.ndarray, np.generic, bool, int, float)):
+        array = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+        dataset = group.create_dataset(key, data=array)
+        if array.dtype.kind in _NUMERIC:
+            dataset.attrs[_CHECKSUM] = _checksum(array)
     else:
         raise CheckpointError(f"{where}: cannot store {type(value).__name__} (dicts, lists, arrays, tensors, numbers, strings, None)")
 
@@ -103,15 +146,20 @@ def written_whole(path: str, overwrite: bool = True):
         os.close(directory_handle)
 
 
-def _read(node):
+def _read(node, lazily=False):
+    """The value of ``node``; ``lazily``, its numeric datasets as StoredTensors."""
     kind = node.attrs.get(_KIND)
     if isinstance(node, h5py.Group):
         if kind == "list":
-            return [_read(node[str(index)]) for index in range(len(node))]
-        return {name: _read(child) for name, child in node.items()}
+            return [_read(node[str(index)], lazily) for index in range(len(node))]
+        return {name: _read(child, lazily) for name, child in node.items()}
     if kind == "none":
         return None
+    if lazily and node.dtype.kind in _NUMERIC:
+        return StoredTensor(node)
     value = node[()]
+    if _CHECKSUM in node.attrs and _checksum(np.asarray(value)) != node.attrs[_CHECKSUM]:
+        raise _corrupt(node)
     if isinstance(value, bytes):
         return value.decode("utf-8")
     if isinstance(value, np.ndarray) and value.dtype.kind == "O":
@@ -119,11 +167,73 @@ def _read(node):
     return value
 
 
-def load(path, key=None):
+def _where(dataset) -> str:
+    """'file:/path/in/the/file' of a dataset, as errors name it."""
+    return f"{dataset.file.filename}:{dataset.name}"
+
+
+def _corrupt(dataset) -> CheckpointError:
+    return CheckpointError(f"{_where(dataset)} is corrupt: its data does not match the checksum saved with it")
+
+
+def _stored_tensors(tree) -> list:
+    """The StoredTensors of a nested dict, in order."""
+    if isinstance(tree, StoredTensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [stored for value in tree.values() for stored in _stored_tensors(value)]
+    return []
+
+
+def _blocks(dataset) -> list:
+    """(selection, shape) of the blocks ``_verify`` reads ``dataset`` in: runs of whole rows of at most
+    ``_BLOCK_BYTES`` (or one longer row)."""
+    if dataset.ndim == 0:
+        return [(None, ())]
+    if not dataset.size:
+        return []
+    rows, row_shape = dataset.shape[0], dataset.shape[1:]
+    step = max(1, _BLOCK_BYTES // (dataset.dtype.itemsize * math.prod(row_shape)))
+    return [(np.s_[start : start + step], (min(step, rows - start), *row_shape)) for start in range(0, rows, step)]
+
+
+def _verify(tree) -> None:
+    """Read every StoredTensor's data once, block by block through one buffer, to set its ``checksum`` and compare
+    it with the one saved: a file truncated or corrupt anywhere fails here, before any of it reaches a trainer."""
+    stored = [(entry, _blocks(entry._dataset)) for entry in _stored_tensors(tree)]
+    buffer = np.empty(max((math.prod(shape) * entry._dataset.dtype.itemsize for entry, blocks in stored
+                           for _, shape in blocks), default=0), np.uint8)  # fmt: skip
+    for entry, blocks in stored:
+        dataset, checksum = entry._dataset, 0
+        for selection, shape in blocks:
+            block = buffer[: math.prod(shape) * dataset.dtype.itemsize].view(dataset.dtype).reshape(shape)
+            dataset.read_direct(block, source_sel=selection)
+            checksum = _checksum(block, checksum)
+        if _CHECKSUM in dataset.attrs and checksum != dataset.attrs[_CHECKSUM]:
+            raise _corrupt(dataset)
+        entry.checksum = checksum
+
+
+def _opened_lazily(file) -> dict:
+    """The tree of the open ``file``, the numeric datasets of ``_TENSOR_GROUPS`` as verified StoredTensors;
+    the file is closed if that fails."""
+    try:
+        tree = {name: _read(child, name in _TENSOR_GROUPS) for name, child in file.items()}
+        _verify(tree)
+        return tree
+    except BaseException:
+        file.close()
+        raise
+
+
+def load(path, key=None, lazily=False):
     """Read a checkpoint (or the sub-tree at ``key``) into nested dicts of numpy values.
 
-    A missing file, a file that is not HDF5, or a truncated one raises a clear error;
-    nothing is returned half-read.
+    With ``lazily`` (the whole file), the numeric datasets of the groups a trainer copies into its
+    own tensors (model, optimizer, gradient_accumulation) stay in the file, kept open, as
+    StoredTensors; each is read once here (``_verify``) to check it, without keeping its data.
+    A missing file, a file that is not HDF5, a truncated one or data that does not match its
+    checksum raises a clear error; nothing is returned half-read.
     """
     path = os.fspath(path)
     if not os.path.exists(path):
@@ -131,7 +241,10 @@ def load(path, key=None):
     if not h5py.is_hdf5(path):
         raise CheckpointError(f"{path} is not an HDF5 file (not a checkpoint)")
     try:
-        with h5py.File(path, "r") as file:
+        file = h5py.File(path, "r")
+        if lazily:
+            return _opened_lazily(file)
+        with file:
             if key is None:
                 return _read(file)
             if key not in file:

@@ -88,11 +88,6 @@ class Gradients:
             return {}
         return {"gradient_accumulation": {name: grad.detach().cpu().numpy().copy() for name, grad in self.sums.items()}}
 
-    def load_accumulated(self, values: dict) -> None:
-        """Restore a checkpoint's ``gradient_accumulation`` (already checked)."""
-        for name, value in values.items():
-            self.sums[name].copy_(value)
-
 
 def _flat_buffers(like: dict):
     """Zeroed buffers shaped like ``like``'s tensors, as views of one flat tensor per dtype

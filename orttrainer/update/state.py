@@ -6,9 +6,11 @@ arrays): ``model.full_precision`` (weights and buffers under their torch names),
 (step counters and the dropout seed) and, when they apply, ``gradient_accumulation``
 (gradients summed inside a window), ``partition_info`` (ZeRO-1 owners) and ``loss_scaler``
 (the scaler's own state_dict). ``restore`` checks everything first (keys when strict,
-shapes, dtypes, optimizer name) and only then copies into the live tensors, so that a bad
-dict leaves the trainer unchanged. ``write_checkpoint``/``read_checkpoint`` put a state in
-files on one or several ranks (checkpoint.py stores it).
+shapes, dtypes, optimizer name) and only then copies into the live tensors, one tensor at a
+time and without a second copy of the state, so that a bad dict leaves the trainer unchanged.
+``write_checkpoint``/``read_checkpoint`` put a state in files on one or several ranks
+(checkpoint.py stores it); a single file is read lazily: its tensors, checked when it is
+opened, go from the file straight into the live tensors.
 """
 
 import functools
@@ -36,12 +38,15 @@ class TrainerState:
     info: object  # the trainer's TrainStepInfo
     seed: int  # the dropout seed
 
+    def _live_model(self) -> dict:
+        """{name: the trainer's own tensor} of every weight and buffer (tied weights under their first name only)."""
+        runtime = self.runtime
+        return {**runtime.weights, **runtime.batch_counters, **runtime.unexported_state}
+
     def model(self, copies: bool = True) -> dict:
         """{name: CPU copy} of every weight and buffer, named like torch's state_dict() (tied
         weights under their first name only); without ``copies``, the trainer's own CPU tensors."""
-        runtime = self.runtime
-        tensors = {**runtime.weights, **runtime.batch_counters, **runtime.unexported_state}
-        return {name: _on_cpu(tensor, copies) for name, tensor in tensors.items()}
+        return {name: _on_cpu(tensor, copies) for name, tensor in self._live_model().items()}
 
     def pytorch(self) -> dict:
         """Every name torch's state_dict() has: a tied weight under each of its names."""
@@ -90,47 +95,52 @@ class TrainerState:
         return {"loss_scaler": mixed_precision.loss_scaler.state_dict()} if mixed_precision.enabled else {}
 
     def restore(self, state: dict, strict: bool) -> int:
-        """Check all of ``state`` against the trainer's, then apply it; return the dropout seed to use."""
-        current = self.capture()
-        refuse_torch_layout(state, {*current["model"]["full_precision"], *self.runtime.aliases})
+        """Check all of ``state`` against the trainer's, then apply it; return the dropout seed to use.
+
+        The checks read only names, shapes and dtypes (of a StoredTensor: the file's metadata). Then each value is
+        copied into its live tensor (a StoredTensor read into it), one at a time: no second copy of the state."""
+        live_model = self._live_model()
+        live_optimizer = self.optimizer.state_dict()  # its moments are the live tensors, its counters new ones
+        refuse_torch_layout(state, {*live_model, *self.runtime.aliases})
         for group in ("model", "optimizer", "train_step_info"):
             if group not in state:
                 warnings.warn(f"Missing key: {group} in state_dict")
-        weights = self._checked_weights(state, current["model"], strict)
-        optimizer = self._checked_optimizer(state, current["optimizer"], strict)
-        accumulated = self._checked_accumulation(state, current["model"]["full_precision"])
+        weights = self._checked_weights(state, live_model, strict)
+        optimizer = self._checked_optimizer(state, live_optimizer, strict)
+        accumulated = self._checked_accumulation(state)
         # everything is checked: apply
-        runtime = self.runtime
-        live = {**runtime.weights, **runtime.batch_counters, **runtime.unexported_state}
         for name, value in weights.items():
-            live[name].copy_(value)
+            _copy_into(live_model[name], value)
+        for name, value in accumulated.items():
+            _copy_into(self.gradients.sums[name], value)
         if optimizer is not None:
-            self.optimizer.load_state_dict(optimizer)
-        self.gradients.load_accumulated(accumulated)
+            for name, entry in optimizer.items():
+                for key, value in entry.items():
+                    _copy_into(live_optimizer[name][key], value)
+            self.optimizer.load_state_dict(live_optimizer)  # the counters (a moment copied onto itself: a no-op)
         if state.get("loss_scaler") is not None and self.options.mixed_precision.enabled:
             self.options.mixed_precision.loss_scaler.load_state_dict(state["loss_scaler"])
         return self._restore_step_info(state.get("train_step_info"))
 
-    def _checked_weights(self, state, current, strict) -> dict:
-        """{name: tensor} of the weights and buffers in ``state`` (tied aliases dropped: the same tensor)."""
+    def _checked_weights(self, state, live_model, strict) -> dict:
+        """{name: value} of the weights and buffers in ``state`` (tied aliases dropped: the same tensor)."""
         model = {precision: {name: value for name, value in values.items() if name not in self.runtime.aliases}
                  for precision, values in state.get("model", {}).items()}  # fmt: skip
         if strict and "model" in state:
-            checkpoint.compare_keys(current, model, "state_dict[model]")
+            checkpoint.compare_keys({"full_precision": live_model}, model, "state_dict[model]")
         weights = {}
-        full_precision = current["full_precision"]
         for precision, values in model.items():
             if strict:
-                checkpoint.compare_keys(full_precision, values, f"state_dict[model][{precision}]")
+                checkpoint.compare_keys(live_model, values, f"state_dict[model][{precision}]")
             for name, value in values.items():
-                if name in full_precision:
-                    weights[name] = _checked_tensor(value, full_precision[name], f"state_dict[model][{precision}][{name}]")
+                if name in live_model:
+                    weights[name] = _checked_tensor(value, live_model[name], f"state_dict[model][{precision}][{name}]")
                 elif strict:
                     raise RuntimeError(f"Unexpected key: {name} in state_dict[model][{precision}]")
         return weights
 
-    def _checked_optimizer(self, state, current, strict):
-        """The optimizer state of ``state`` as tensors, or None when it has none."""
+    def _checked_optimizer(self, state, live, strict):
+        """{weight: {key: value}} of the optimizer state in ``state``, or None when it has none."""
         optimizer = state.get("optimizer")
         if optimizer is None:
             return None
@@ -140,15 +150,15 @@ class TrainerState:
         if given_name != self.optimizer_name:
             raise RuntimeError(f"Optimizer mismatch: expected {self.optimizer_name}, got {given_name}")
         if strict:  # a ZeRO rank holds part of the optimizer state: other ranks' entries are expected
-            checkpoint.compare_keys(current, optimizer, "state_dict[optimizer]",
+            checkpoint.compare_keys(live, optimizer, "state_dict[optimizer]",
                                     allow_unexpected=_optimizer_state_sharded(self.data_parallel))  # fmt: skip
         return {
-            name: {key: _checked_tensor(value, current[name][key], f"state_dict[optimizer][{name}][{key}]")
-                   for key, value in entry.items() if key in current.get(name, {})}
-            for name, entry in optimizer.items() if name in current
+            name: {key: _checked_tensor(value, live[name][key], f"state_dict[optimizer][{name}][{key}]")
+                   for key, value in entry.items() if key in live.get(name, {})}
+            for name, entry in optimizer.items() if name in live
         }  # fmt: skip
 
-    def _checked_accumulation(self, state, full_precision) -> dict:
+    def _checked_accumulation(self, state) -> dict:
         """The partial gradient sums of a checkpoint taken inside an accumulation window (one process only)."""
         if "gradient_accumulation" in state and self.world.is_distributed:
             raise ValueError(
@@ -158,10 +168,14 @@ class TrainerState:
             )
         if "gradient_accumulation" in state:
             self._refuse_other_window(state)
-        return {
-            name: _checked_tensor(value, full_precision[name], f"state_dict[gradient_accumulation][{name}]")
-            for name, value in state.get("gradient_accumulation", {}).items()
-        }
+        sums = self.gradients.sums
+        accumulated = state.get("gradient_accumulation", {})
+        unexpected = sorted(set(accumulated) - set(sums))
+        if unexpected:
+            raise RuntimeError(f"Unexpected keys: {unexpected} in state_dict[gradient_accumulation]: the trainer trains no "
+                               "such weights")
+        return {name: _checked_tensor(value, sums[name], f"state_dict[gradient_accumulation][{name}]")
+                for name, value in accumulated.items()}  # fmt: skip
 
     def _refuse_other_window(self, state) -> None:
         """A partial gradient sum belongs to a window of the saving trainer's size and loss scaling: completed by a
@@ -212,7 +226,7 @@ def check_against_module(state: dict, module: torch.nn.Module, strict: bool) -> 
     refuse_torch_layout(state, own)
     for name, value in state.get("model", {}).get("full_precision", {}).items():
         if name in own:
-            _checked_tensor(value, own[name].detach().cpu().numpy(), f"state_dict[model][full_precision][{name}]")
+            _checked_tensor(value, own[name], f"state_dict[model][full_precision][{name}]")
         elif strict:
             raise RuntimeError(f"Unexpected key: {name} in state_dict[model][full_precision]: {type(module).__name__} has no such "
                                "parameter or buffer")
@@ -245,7 +259,8 @@ def write_checkpoint(state: dict, path, world, data_parallel, step: int, overwri
 
 def read_checkpoint(paths, world, allow_pickle: bool):
     """(state, user_dict) of a checkpoint written by ``write_checkpoint`` or the legacy ORTTrainer;
-    per-rank ZeRO files (several paths, or one with ``{rank}``) are aggregated first.
+    per-rank ZeRO files (several paths, or one with ``{rank}``) are read whole and aggregated, one file
+    is opened lazily (its tensors StoredTensors, checked here, read when the state is applied).
 
     On several ranks every rank reads, and one collective compares: if a rank's read failed, or
     read other values than rank 0's (another file, one only some nodes hold), every rank raises
@@ -272,18 +287,21 @@ def _read_checkpoint(paths, world_size: int, allow_pickle: bool):
     if len(paths) > 1:
         state = checkpoint.aggregate_checkpoints(list(paths), pytorch_format=False)
     else:
-        state = checkpoint.load(paths[0])
+        state = checkpoint.load(paths[0], lazily=True)
     checkpoint.check_is_checkpoint(state, paths[0])
     return state, checkpoint.user_dict_from(state, paths[0], allow_pickle)
 
 
 def _values_digest(state: dict) -> str:
-    """sha256 of what loading ``state`` sets (not trainer_options, which name the rank that wrote the file)."""
+    """sha256 of what loading ``state`` sets (not trainer_options, which name the rank that wrote the file); of a
+    StoredTensor, the checksum its check computed from its data."""
     digest = hashlib.sha256()
 
     def add(key, value):
         digest.update(key.encode())
-        if isinstance(value, dict):
+        if isinstance(value, checkpoint.StoredTensor):
+            digest.update(f"{value.dtype}{value.shape}{value.checksum}".encode())
+        elif isinstance(value, dict):
             for name in sorted(value):
                 add(f"{key}/{name}", value[name])
         elif isinstance(value, list):
@@ -299,15 +317,23 @@ def _values_digest(state: dict) -> str:
     return digest.hexdigest()
 
 
-def _checked_tensor(value, current, where):
-    """``value`` as a tensor shaped and typed like ``current``; a clear error otherwise."""
-    tensor = torch.as_tensor(np.asarray(value))
-    if tuple(tensor.shape) != tuple(np.shape(current)):
-        raise RuntimeError(f"{where} has shape {list(tensor.shape)}, the trainer's has {list(np.shape(current))}")
-    expected = torch.as_tensor(np.asarray(current)).dtype
-    if tensor.dtype != expected:
-        raise RuntimeError(f"{where} has dtype {tensor.dtype}, the trainer's has {expected}")
+def _checked_tensor(value, live: torch.Tensor, where):
+    """``value`` (a tensor, a StoredTensor, or what numpy takes, as a tensor sharing its memory) shaped and typed
+    like ``live``; a clear error otherwise."""
+    tensor = value if isinstance(value, (torch.Tensor, checkpoint.StoredTensor)) else torch.as_tensor(np.asarray(value))
+    if tuple(tensor.shape) != tuple(live.shape):
+        raise RuntimeError(f"{where} has shape {list(tensor.shape)}, the trainer's has {list(live.shape)}")
+    if tensor.dtype != live.dtype:
+        raise RuntimeError(f"{where} has dtype {tensor.dtype}, the trainer's has {live.dtype}")
     return tensor
+
+
+def _copy_into(live: torch.Tensor, value) -> None:
+    """Write a checked value into its live tensor: a StoredTensor straight from its file."""
+    if isinstance(value, checkpoint.StoredTensor):
+        value.read_into(live)
+    else:
+        live.copy_(value)
 
 
 def _to_numpy(tree, copies: bool = True):
