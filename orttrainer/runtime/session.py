@@ -179,9 +179,27 @@ def session_options(base=None, deterministic=False, optimized_model_path="", thr
     options.use_deterministic_compute = deterministic
     if base is None:  # errors reach the caller as exceptions: ONNX Runtime need not print them too
         options.log_severity_level = 4
+        _share_one_cpu_arena(options)
     if optimized_model_path:
         options.optimized_model_filepath = optimized_model_path
     return options
+
+
+_ENV_ALLOCATORS = "session.use_env_allocators"
+_ARENA_SHRINKAGE = "memory.enable_memory_arena_shrinkage"
+_shared_arena = []  # the process's one CPU arena, once registered
+
+
+def _share_one_cpu_arena(options: onnxruntime.SessionOptions) -> None:
+    """The sessions made with ``options`` take their CPU memory from one arena, the process's, registered at the
+    first call: each session's own arena keeps the most it ever held, so the training and eval sessions of every
+    graph would each keep their peak; one arena keeps the largest peak of any (benchmarks/NOTES.md §52)."""
+    if not _shared_arena:
+        memory = onnxruntime.OrtMemoryInfo("Cpu", onnxruntime.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
+                                           onnxruntime.OrtMemType.DEFAULT)  # fmt: skip
+        onnxruntime.create_and_register_allocator(memory, None)
+        _shared_arena.append(memory)
+    options.add_session_config_entry(_ENV_ALLOCATORS, "1")
 
 
 @contextlib.contextmanager
@@ -261,8 +279,9 @@ def session_stream(device: torch.device, provider_options: dict):
     return current if current.cuda_stream != 0 else torch.cuda.Stream(device)
 
 
-def run_options() -> onnxruntime.RunOptions:
-    """RunOptions under which a run returns only once the GPU has finished it.
+def run_options(release_arena: bool = False) -> onnxruntime.RunOptions:
+    """RunOptions under which a run returns only once the GPU has finished it; with ``release_arena``, the CPU
+    arena's memory the run no longer holds is given back to the system at its end.
 
     ``disable_synchronize_execution_providers`` = "0" is ONNX Runtime's default, set explicitly
     because the trainer relies on it: at the end of a run the GPU provider synchronises its
@@ -272,6 +291,8 @@ def run_options() -> onnxruntime.RunOptions:
     """
     options = onnxruntime.RunOptions()
     options.add_run_config_entry(SYNCHRONIZE_OPTION, "0")
+    if release_arena:
+        options.add_run_config_entry(_ARENA_SHRINKAGE, "cpu:0")
     return options
 
 
@@ -326,6 +347,9 @@ class TorchBoundSession:
             )
         check_provider_in_use(providers, self.session.get_providers(), device)
         self._run_options = run_options()
+        # the first run is a graph's checked one, after which torch takes its own step: ONNX Runtime's arena gives
+        # back what it no longer holds for that (benchmarks/NOTES.md §53); later runs keep it, ready for the next
+        self._first_run_options = run_options(release_arena=True)
         self.input_names = {graph_input.name for graph_input in self.session.get_inputs()}
         self.output_names = [output.name for output in self.session.get_outputs()]
         self._bool_outputs = {output.name for output in self.session.get_outputs() if output.type == "tensor(bool)"}
@@ -362,7 +386,8 @@ class TorchBoundSession:
             self._bind_output(name)
         if self._stream is not None:
             self._wait_for_torch()
-        self.session.run_with_iobinding(self._binding, self._run_options)
+        options, self._first_run_options = self._first_run_options or self._run_options, None
+        self.session.run_with_iobinding(self._binding, options)
         values = self._raw_binding.get_outputs()  # raw OrtValues: no Python wrapper per output
         return [self._as_torch(name, values[self._output_positions[name]]) for name in self._allocated_outputs]
 
