@@ -142,6 +142,8 @@ class ORTTrainer:
         self.model_desc = runtime.model_desc if self._graphs is None else self._graphs.model_desc
         if self._load_state_dict is not None:
             self._load_state_dict()
+            if runtime.reference is not None:  # torch's step at the build ran on the weights before the load
+                runtime.reference.weights_written = True
 
     # ------------------------------------------------------------------ steps
     def train_step(self, *args, **kwargs):
@@ -263,7 +265,8 @@ class ORTTrainer:
         ort = verify.StepResult(dict(zip(output_names, outputs)), gradients, buffers)
         where = graph_errors.where_in_graph(runtime.onnx_model, list(gradients) + output_names + list(buffers))
         mode = self.options.debug.check_against_torch
-        verify.check(ort, run_torch, runtime.weights, self._checked_dtype(), where, mode, torch_result)
+        verify.check(ort, run_torch, runtime.weights, self._checked_dtype(), where, mode, torch_result,
+                     weights_written=torch_result is reference.step and reference.weights_written)  # fmt: skip
         if not is_the_step:
             return None
         runtime.update_batch_norms()  # the run's statistics, still in its outputs: those of the step
@@ -304,6 +307,8 @@ class ORTTrainer:
         """Forward only, in inference mode (dropout off, BatchNorm on running statistics)."""
         self._refuse_setting_edits()
         inputs = self._ensure_initialized(args, kwargs)
+        if self._runtime.reference is not None:  # built by an eval_step: the weights may be written before a train_step
+            self._runtime.reference.weights_written = True
         self._refuse_module_edits(training=False)
         requested = requested_outputs(self.model_desc, self._train_step_info.fetches)
         if self._runtime.eval_reference is None:

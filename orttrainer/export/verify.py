@@ -289,12 +289,14 @@ class Reference(ModuleCall):
     was built (before ONNX Runtime held any memory: the two would otherwise add up) on the batch whose
     tensors had the ``batch_digests``, and on the trainer's weights as they were then. The weights may be written
     before the first step (a state_dict loaded, rank 0's weights on the other ranks, the user's writes after a graph
-    built by an eval_step): ``check`` takes torch's step again on them when the comparison with this one fails,
-    instead of hashing every weight at the build and again at the check (1.3 s on GPT-2 small)."""
+    built by an eval_step): the trainer then sets ``weights_written``, and ``check`` takes torch's step again on them
+    when the comparison with this one fails, instead of hashing every weight at the build and again at the check
+    (1.3 s on GPT-2 small). A graph built and checked in one train_step has its weights as they were."""
 
     step: StepResult
     batch_digests: list  # tensor_digest of each input of the batch the step ran on
     projected: bool  # gradients kept as Projected (torch_step)
+    weights_written: bool = False  # the weights may have been written since ``step`` was taken
 
     def step_on(self, weights: dict, inputs, run_torch) -> StepResult:
         """torch's step on the batch ``inputs``: the one taken at the build if it is the same batch, else
@@ -416,18 +418,20 @@ def rounding_spread(run_torch, weights: dict, reference: StepResult, dtype: torc
     nudge = _NUDGE.get(dtype, _NUDGE[torch.float32])
     spread = {}
     for _ in range(_NUDGE_TRIALS):
-        nudged = {
-            name: tensor * (1 + nudge * torch.randn(tensor.shape, generator=generator).to(tensor.device, tensor.dtype))
-            if tensor.is_floating_point() else tensor
-            for name, tensor in weights.items()
-        }
-        moved = run_torch(nudged)
+        moved = run_torch(_nudged(weights, nudge, generator))
         for theirs, ours in ((moved.outputs, reference.outputs), (moved.gradients, reference.gradients),
                              (moved.buffers, reference.buffers)):  # fmt: skip
             for name, value in theirs.items():
                 if _is_floating(value) and name in ours:
                     spread[name] = max(spread.get(name, 0.0), _SPREAD_FACTOR * _norm_of_difference(value, ours[name]))
+        del moved  # not held while the next step runs: a step's outputs can be as large as its logits
     return spread
+
+
+def _nudged(weights: dict, nudge: float, generator) -> dict:
+    """``weights`` with every float tensor moved by a relative ``nudge`` times a standard normal draw."""
+    return {name: tensor * (1 + nudge * torch.randn(tensor.shape, generator=generator).to(tensor.device, tensor.dtype))
+            if tensor.is_floating_point() else tensor for name, tensor in weights.items()}  # fmt: skip
 
 
 # What a mismatch means, by the step checked.
@@ -440,17 +444,17 @@ FIRST_EVAL = ("eval_step differs from the module in eval mode on the same batch 
 
 
 def check(ort: StepResult, run_torch, weights: dict, dtype: torch.dtype, where: dict, mode: str, reference=None,
-          subject=FIRST_STEP) -> None:  # fmt: skip
+          subject=FIRST_STEP, weights_written=False) -> None:  # fmt: skip
     """Compare ``ort`` with torch's step on ``weights`` (``reference``, or ``run_torch(weights)``, see
-    ``torch_step`` and ``torch_eval``; a ``reference`` that differs is taken again on ``weights``, which may have been
-    written since); differences that rounding at a kink explains are excused (``rounding_spread``); report the rest
-    under ``subject``."""
+    ``torch_step`` and ``torch_eval``; a ``reference`` that differs is taken again on ``weights`` if they may have been
+    ``weights_written`` since); differences that rounding at a kink explains are excused (``rounding_spread``); report
+    the rest under ``subject``."""
     if mode == "off":
         return
     taken_before = reference is not None
     reference = reference if taken_before else run_torch(weights)
     differences = compare(ort, reference, dtype, where)
-    if differences and taken_before:  # the weights may have been written since (Reference): torch's step on them
+    if differences and taken_before and weights_written:  # (Reference) torch's step on the weights as they are
         reference = run_torch(weights)
         differences = compare(ort, reference, dtype, where)
     if differences:

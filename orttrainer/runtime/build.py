@@ -275,6 +275,8 @@ def from_torch(source, exported, device, providers, data_parallel=None, shared=N
         runtime.weights, runtime.owned = shared.weights, shared.owned
         runtime.aliases, runtime.unexported_state = shared.aliases, shared.unexported_state
         runtime.batch_counters = shared.batch_counters
+    if reference is not None and shared is None and data_parallel is not None:  # rank 0's weights, after torch's step
+        reference.weights_written = True
     runtime.reference = reference  # the first train_step on this graph checks against it
     if checked:  # and the first eval_step against the module in eval mode
         runtime.eval_reference = verify.ModuleCall(source.module, source.forward_names, exported.constants)
