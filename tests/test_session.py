@@ -148,3 +148,17 @@ def test_a_non_contiguous_tensor_is_refused_not_read_as_if_it_were():
     bound.bind_input("x", x)
     bound.allocate_outputs(["y"])
     assert torch.equal(bound.run()[0], x)
+
+
+def test_a_users_session_options_without_an_arena_train():
+    """A session's first run gives its arena's free memory back (run option memory.enable_memory_arena_shrinkage),
+    which ONNX Runtime refuses for a session without an arena: the user's options may turn it off."""
+    user = onnxruntime.SessionOptions()
+    user.enable_cpu_mem_arena = False
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy,
+                         options=ORTTrainerOptions({"device": {"id": "cpu"}, "session_options": user}))  # fmt: skip
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
+    losses = [float(trainer.train_step(x, y)[0]) for _ in range(2)]
+    assert losses[1] < losses[0]

@@ -349,7 +349,8 @@ class TorchBoundSession:
         self._run_options = run_options()
         # the first run is a graph's checked one, after which torch takes its own step: ONNX Runtime's arena gives
         # back what it no longer holds for that (benchmarks/NOTES.md §53); later runs keep it, ready for the next
-        self._first_run_options = run_options(release_arena=True)
+        arena = device.type == "cpu" and options.enable_cpu_mem_arena  # (a user's options may turn it off)
+        self._first_run_options = run_options(release_arena=True) if arena else None
         self.input_names = {graph_input.name for graph_input in self.session.get_inputs()}
         self.output_names = [output.name for output in self.session.get_outputs()]
         self._bool_outputs = {output.name for output in self.session.get_outputs() if output.type == "tensor(bool)"}
