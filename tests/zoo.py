@@ -322,6 +322,17 @@ def llama_lm():
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**_LLAMA_LIKE))
 
 
+def mamba_lm():
+    """Mamba: gated 1-d convolutions and a selective state-space scan (transformers' torch path, no mamba_ssm). Its
+    Tile of repeats computed from the length fails ONNX Runtime's shape inference with the lengths dynamic: the
+    trainer builds it with fixed lengths, a graph per length (graph_cache.GraphCache._build)."""
+    import transformers
+
+    config = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2,
+                                      conv_kernel=4, use_cache=False)  # fmt: skip
+    return transformers.MambaForCausalLM(config)
+
+
 def cohere_lm():
     """Cohere (Command-R): Llama's layout with LayerNorm, parallel attention and MLP, and rotary positions interleaved by
     ``repeat_interleave(freqs, 2, dim=-1)``, whose torch symbolic turned the trace's shared -1 into 2 for the ops
@@ -579,6 +590,7 @@ HUGGING_FACE_MODELS = {
     "gpt2-lm": (gpt2_lm, causal_lm_batch, "tokens"),
     "llama-lm": (llama_lm, causal_lm_batch, "tokens"),
     "cohere-interleaved-rotary-lm": (cohere_lm, causal_lm_batch, "tokens"),
+    "mamba-selective-scan-lm": (mamba_lm, causal_lm_batch, "tokens"),
     "mixtral-mixture-of-experts-lm": (mixtral_lm, causal_lm_batch, "tokens"),
     "t5": (t5_generator, seq2seq_batch, "tokens"),
     "bart": (bart_generator, functools.partial(seq2seq_batch, pad=1), "tokens"),
