@@ -39,6 +39,11 @@ def _attribute_of(owner: str, name: str):
     return property(lambda self: None if getattr(self, owner) is None else getattr(getattr(self, owner), name))
 
 
+def _raise(error: Exception):
+    """Raise ``error``, caught before: a rank's failed action for distributed.run_together."""
+    raise error
+
+
 class ORTTrainer:
     """Train a torch module (or a forward+loss ONNX model) in ONNX Runtime.
 
@@ -68,6 +73,7 @@ class ORTTrainer:
         self._load_state_dict = None  # a state_dict loaded before the build, which applies it
         self._seed = torch.initial_seed() % (1 << 63)
         self._data_parallel = None
+        self._check_failure = None  # on several ranks, this rank's TorchMismatchError until the window ends
         if self._world.is_distributed:
             self._data_parallel = distributed.join(self._world, self.options.distributed, self._device)
         if self.options.mixed_precision.enabled and self.options.mixed_precision.loss_scaler is None:
@@ -265,8 +271,13 @@ class ORTTrainer:
         ort = verify.StepResult(dict(zip(output_names, outputs)), gradients, buffers)
         where = graph_errors.where_in_graph(runtime.onnx_model, list(gradients) + output_names + list(buffers))
         mode = self.options.debug.check_against_torch
-        verify.check(ort, run_torch, runtime.weights, self._checked_dtype(), where, mode, torch_result,
-                     weights_written=torch_result is reference.step and reference.weights_written)  # fmt: skip
+        try:
+            verify.check(ort, run_torch, runtime.weights, self._checked_dtype(), where, mode, torch_result,
+                         weights_written=torch_result is reference.step and reference.weights_written)  # fmt: skip
+        except verify.TorchMismatchError as error:
+            if self._data_parallel is None:
+                raise
+            self._check_failure = error  # raised on every rank at the window's end (_share_check_failures)
         if not is_the_step:
             return None
         runtime.update_batch_norms()  # the run's statistics, still in its outputs: those of the step
@@ -276,6 +287,7 @@ class ORTTrainer:
         """Sum over ranks, undo the loss scale (skipping non-finite steps), then the optimizer on
         the owned weights with the mean over micro-batches and ranks. Returns whether it updated."""
         if self._data_parallel is not None:
+            self._share_check_failures()
             self._gradients.reduce_over_ranks(self._data_parallel)
         if self._runtime.loss_scale is not None and not self._unscale_and_check():
             return False
@@ -285,6 +297,22 @@ class ORTTrainer:
         if self._data_parallel is not None:
             self._data_parallel.share_updated_weights(self._runtime.weights)
         return True
+
+    def _share_check_failures(self):
+        """On several ranks, raise on every rank if any rank's check against torch failed in this window.
+
+        A rank builds (and checks) a graph at the first batch of a new shape on that rank alone, so a collective
+        in the check could wait for ranks that are not checking; the window's end is where every rank meets
+        (its gradient all-reduce, next), so the failure waits for it and one number tells whether any rank
+        holds one; only then do the ranks share their messages (distributed.run_together). The update is not
+        taken: every rank raises TorchMismatchError naming the ranks whose check failed, and why."""
+        if self._graphs is None or self.options.debug.check_against_torch != "error":  # no check can fail
+            return
+        failure, self._check_failure = self._check_failure, None
+        if distributed.any_rank(failure is not None, self._device):
+            distributed.run_together(self._world, None if failure is None else functools.partial(_raise, failure),
+                                     "the first step's check against torch (debug.check_against_torch)",
+                                     verify.TorchMismatchError)  # fmt: skip
 
     def _unscale_and_check(self):
         """Divide the gradients by the loss scale and let the scaler see whether all are finite."""

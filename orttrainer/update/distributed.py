@@ -137,12 +137,19 @@ def failed_ranks(outcomes) -> str:
     return "; ".join(f"rank {rank}: {cause}" for rank, (cause, _) in enumerate(outcomes) if cause is not None)
 
 
-def write_together(world: World, write, what: str) -> None:
-    """Run this rank's ``write`` (None: it writes nothing), then raise on every rank if any rank's failed."""
-    _, error, outcomes = run_on_every_rank(world, write)
+def run_together(world: World, action, what: str, error_class: type) -> None:
+    """Run this rank's ``action`` (None: nothing to do here), then raise ``error_class`` on every rank if any rank's failed."""
+    _, error, outcomes = run_on_every_rank(world, action)
     failed = failed_ranks(outcomes)
     if failed:
-        raise RankWriteError(f"{what} failed on {failed}") from error
+        raise error_class(f"{what} failed on {failed}") from error
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` is set on any rank: one all-reduce of one number."""
+    count = torch.tensor([float(flag)], device=device)
+    all_reduce_sum(count)
+    return bool(count.item())
 
 
 def owners(sizes: dict, world_size: int) -> dict:

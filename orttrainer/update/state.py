@@ -254,7 +254,7 @@ def write_checkpoint(state: dict, path, world, data_parallel, step: int, overwri
     target = str(path).format(rank=world.rank) if per_rank else path
     writes_here = per_rank or world.rank == 0  # otherwise rank 0 writes the one file
     write = functools.partial(checkpoint.save, state, target, overwrite=overwrite) if writes_here else None
-    distributed.write_together(world, write, f"saving checkpoint {path} at step {step}")
+    distributed.run_together(world, write, f"saving checkpoint {path} at step {step}", distributed.RankWriteError)
 
 
 def read_checkpoint(paths, world, allow_pickle: bool):
