@@ -162,3 +162,32 @@ def test_a_users_session_options_without_an_arena_train():
     x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
     losses = [float(trainer.train_step(x, y)[0]) for _ in range(2)]
     assert losses[1] < losses[0]
+
+
+def test_a_run_at_new_shapes_gives_back_the_arena_memory_it_no_longer_holds(monkeypatch):
+    """The arena keeps a run's freed memory for the next run at the same shapes; the first run and a run at other
+    shapes (a batch of another length) give back what it no longer holds (or the arena would keep every length's
+    peak): the run options say so, and the losses are those of a plain run."""
+    released = []
+    run = onnxruntime.InferenceSession.run_with_iobinding
+
+    def recording(self, binding, options=None):
+        released.append(options is not None and _config(options, "memory.enable_memory_arena_shrinkage") == "cpu:0")
+        return run(self, binding, options)
+
+    monkeypatch.setattr(onnxruntime.InferenceSession, "run_with_iobinding", recording)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(20, 8), nn.Flatten(0, 1), nn.Linear(8, 3))
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy,
+                         options=ORTTrainerOptions({"device": {"id": "cpu"}, "debug": {"check_against_torch": "off"}}))
+    for length in (5, 5, 7, 7, 5):
+        tokens = torch.randint(0, 20, (2, length), generator=torch.Generator().manual_seed(length))
+        trainer.train_step(tokens, torch.randint(0, 3, (2 * length,), generator=torch.Generator().manual_seed(1)))
+    assert released == [True, False, True, False, True]
+
+
+def _config(options, key):
+    try:
+        return options.get_run_config_entry(key)
+    except RuntimeError:
+        return None

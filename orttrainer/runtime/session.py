@@ -347,10 +347,13 @@ class TorchBoundSession:
             )
         check_provider_in_use(providers, self.session.get_providers(), device)
         self._run_options = run_options()
-        # the first run is a graph's checked one, after which torch takes its own step: ONNX Runtime's arena gives
-        # back what it no longer holds for that (benchmarks/NOTES.md §53); later runs keep it, ready for the next
-        arena = device.type == "cpu" and options.enable_cpu_mem_arena  # (a user's options may turn it off)
-        self._first_run_options = run_options(release_arena=True) if arena else None
+        # The arena keeps what a run freed, ready for the next run at the same shapes. A run at other shapes (a batch
+        # of another length) gives back at its end what the arena no longer holds, or the arena would keep every
+        # length's peak; so does the first run, a graph's checked one, after which torch takes its own step
+        # (benchmarks/NOTES.md §53). A user's options may turn the arena off, and then there is nothing to give back.
+        self._arena = device.type == "cpu" and options.enable_cpu_mem_arena
+        self._releasing_run_options = run_options(release_arena=True) if self._arena else None
+        self._release_after_run, self._input_shapes = self._arena, {}
         self.input_names = {graph_input.name for graph_input in self.session.get_inputs()}
         self.output_names = [output.name for output in self.session.get_outputs()]
         self._bool_outputs = {output.name for output in self.session.get_outputs() if output.type == "tensor(bool)"}
@@ -369,7 +372,10 @@ class TorchBoundSession:
         """Bind a contiguous tensor on the session's device as input ``name``."""
         if not tensor.is_contiguous():  # ONNX Runtime would read its storage as if it were (a caller's bug)
             raise RuntimeError(f"input '{name}' of shape {list(tensor.shape)} is not contiguous in memory")
-        self._raw_binding.bind_input(name, self._device, _NUMPY_DTYPES[tensor.dtype], list(tensor.shape), tensor.data_ptr())
+        shape = list(tensor.shape)
+        if self._input_shapes.setdefault(name, shape) != shape:
+            self._input_shapes[name], self._release_after_run = shape, self._arena
+        self._raw_binding.bind_input(name, self._device, _NUMPY_DTYPES[tensor.dtype], shape, tensor.data_ptr())
 
     def bind_output(self, name: str, tensor: torch.Tensor) -> None:
         """Have the session write output ``name`` straight into ``tensor``."""
@@ -387,7 +393,8 @@ class TorchBoundSession:
             self._bind_output(name)
         if self._stream is not None:
             self._wait_for_torch()
-        options, self._first_run_options = self._first_run_options or self._run_options, None
+        options = self._releasing_run_options if self._release_after_run else self._run_options
+        self._release_after_run = False
         self.session.run_with_iobinding(self._binding, options)
         values = self._raw_binding.get_outputs()  # raw OrtValues: no Python wrapper per output
         return [self._as_torch(name, values[self._output_positions[name]]) for name in self._allocated_outputs]
