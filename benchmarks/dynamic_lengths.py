@@ -55,6 +55,8 @@ import time
 from datetime import date
 from pathlib import Path
 
+from children import child_result, merged_rows
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 STEM = "dynamic_lengths"
@@ -369,14 +371,7 @@ def child(row, contender, quick):
 def run_child(row, contender, quick):
     """The child's JSON result, or {"error": ...} when it died without one (killed for memory, say)."""
     command = [sys.executable, str(Path(__file__).resolve()), "--child", row, contender] + (["--quick"] if quick else [])
-    done = subprocess.run(command, capture_output=True, text=True)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if lines:
-        return json.loads(lines[-1])
-    if done.returncode < 0:
-        return {"error": f"killed by signal {-done.returncode}" + (" (out of memory?)" if done.returncode == -9 else "")}
-    last = [line for line in done.stderr.splitlines() if line.strip()]
-    return {"error": f"exit {done.returncode}: {last[-1][:200] if last else 'no output'}"}
+    return child_result(subprocess.run(command, capture_output=True, text=True))
 
 
 def summarize(entry, runs):
@@ -490,13 +485,6 @@ def plot(report, path):
     plt.close(figure)
 
 
-def _merged_rows(old: list, new: list) -> list:
-    """``old``'s rows with ``new``'s in place of those of the same name, in ROWS' order (each row keeps its date)."""
-    today = date.today().isoformat()
-    by_name = {row["name"]: row for row in old} | {row["name"]: {**row, "measured": today} for row in new}
-    return sorted(by_name.values(), key=lambda row: list(ROWS).index(row["name"]))
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="", help=f"comma-separated rows (default: all): {', '.join(ROWS)}")
@@ -544,7 +532,7 @@ def main():
         if old.get("settings") != report["settings"]:
             sys.exit(f"--add: {args.out / f'{STEM}.json'} was measured with other settings ({old.get('settings')}); "
                      "run without --add")
-        report["rows"] = _merged_rows(old["rows"], report["rows"])
+        report["rows"] = merged_rows(old["rows"], report["rows"], ROWS)
     table = markdown(report)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -35,6 +35,8 @@ import time
 from datetime import date
 from pathlib import Path
 
+from children import child_result
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 ROWS = {"mlp-201m": (12, 4096), "mlp-1.07b": (64, 4096)}  # name: (layers, width)
@@ -106,14 +108,7 @@ def run_child(row, contender, path, tree):
     start = time.perf_counter()
     done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", row, contender, str(path)],
                           capture_output=True, text=True, env=environment)  # fmt: skip
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if lines:
-        result = json.loads(lines[-1])
-    elif done.returncode < 0:
-        result = {"error": f"killed by signal {-done.returncode}" + (" (out of memory?)" if done.returncode == -9 else "")}
-    else:
-        last = [line for line in done.stderr.splitlines() if line.strip()]
-        result = {"error": f"exit {done.returncode}: {last[-1][:200] if last else 'no output'}"}
+    result = child_result(done)
     result["wall_s"] = time.perf_counter() - start
     return result
 

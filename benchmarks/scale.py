@@ -33,6 +33,8 @@ import time
 from datetime import date
 from pathlib import Path
 
+from children import child_result, merged_rows
+
 HERE = Path(__file__).resolve().parent
 CONTENDERS = ("torch eager", "orttrainer")
 LR, RTOL = 1e-3, 1e-3
@@ -161,14 +163,7 @@ def run_child(name, contender, steps):
     start = time.perf_counter()
     done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", name, contender, "--steps", str(steps)],
                           capture_output=True, text=True)  # fmt: skip
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if lines:
-        result = json.loads(lines[-1])
-    elif done.returncode < 0:
-        result = {"error": f"killed by signal {-done.returncode}" + (" (out of memory?)" if done.returncode == -9 else "")}
-    else:
-        last = [line for line in done.stderr.splitlines() if line.strip()]
-        result = {"error": f"exit {done.returncode}: {last[-1][:200] if last else 'no output'}"}
+    result = child_result(done)
     result["wall_s"] = time.perf_counter() - start
     return result
 
@@ -258,14 +253,6 @@ def plot(report, path):
     plt.close(figure)
 
 
-def _merged_rows(old: list, new: list) -> list:
-    """``old``'s rows with ``new``'s in place of those of the same name, in ROWS' order (each row keeps its date)."""
-    today = date.today().isoformat()
-    by_name = {row["name"]: row for row in old} | {row["name"]: {**row, "measured": today} for row in new}
-    order = [*ROWS, *QUICK]
-    return sorted(by_name.values(), key=lambda row: order.index(row["name"]))
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="", help=f"comma-separated rows (default: all): {', '.join(ROWS)}")
@@ -299,7 +286,7 @@ def main():
 
     report["machine"] = f"{_cpu_model()}, {os.cpu_count()} cores"
     if args.add and (args.out / "scale.json").exists():
-        report["rows"] = _merged_rows(json.loads((args.out / "scale.json").read_text())["rows"], report["rows"])
+        report["rows"] = merged_rows(json.loads((args.out / "scale.json").read_text())["rows"], report["rows"], [*ROWS, *QUICK])
     table = markdown(report)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)

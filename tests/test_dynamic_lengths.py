@@ -62,13 +62,17 @@ def test_one_graph_trains_every_padded_length_like_torch(exports, make):
     assert exports[0] == 3
 
 
-class BranchesOnLength(nn.Module):
-    """A Python ``if`` on the padded length: sequences longer than 6 are read backwards and doubled."""
+class _TokenClassifier(nn.Module):
+    """Token embeddings and a 3-class head; each subclass's forward reads the length its own way."""
 
     def __init__(self):
         super().__init__()
         self.tokens = nn.Embedding(VOCAB, 8)
         self.head = nn.Linear(8, 3)
+
+
+class BranchesOnLength(_TokenClassifier):
+    """A Python ``if`` on the padded length: sequences longer than 6 are read backwards and doubled."""
 
     def forward(self, tokens):
         states = self.tokens(tokens)
@@ -93,13 +97,8 @@ def test_a_branch_on_the_length_trains_like_torch_on_both_sides_of_it(exports):
     assert exports[0] == 4  # 3 (first), 5 (a new length), 9 (the guard fails), 12 (a second length of that graph)
 
 
-class PoolsByLen(nn.Module):
+class PoolsByLen(_TokenClassifier):
     """``len()`` of a tensor is a plain int to the tracer: no guard sees what it decides."""
-
-    def __init__(self):
-        super().__init__()
-        self.tokens = nn.Embedding(VOCAB, 8)
-        self.head = nn.Linear(8, 3)
 
     def forward(self, tokens):
         states = self.tokens(tokens).transpose(0, 1)
@@ -116,14 +115,9 @@ def test_a_size_read_by_len_is_exported_at_every_new_length(exports):
     assert trainer._graphs.built == 3  # the trace holds the slice's end: 3 at length 4, 4 at lengths 6 and 7, 5 at 9
 
 
-class CountsMaskedTokens(nn.Module):
+class CountsMaskedTokens(_TokenClassifier):
     """A decision on a size that depends on the data (how many tokens a boolean mask keeps): no guard can compute it
     from shapes, so it stays a frozen value checked against every new batch."""
-
-    def __init__(self):
-        super().__init__()
-        self.tokens = nn.Embedding(VOCAB, 8)
-        self.head = nn.Linear(8, 3)
 
     def forward(self, tokens):
         states = self.tokens(tokens)
@@ -153,13 +147,8 @@ def test_the_first_step_check_runs_at_every_built_graph(monkeypatch):
     assert trainer._graphs.built == 2 and len(references) == 2
 
 
-class CumulatesOverTokens(nn.Module):
+class CumulatesOverTokens(_TokenClassifier):
     """A cumulative sum along the sequence, whose gradient rewrite is written for a fixed length."""
-
-    def __init__(self):
-        super().__init__()
-        self.tokens = nn.Embedding(VOCAB, 8)
-        self.head = nn.Linear(8, 3)
 
     def forward(self, tokens):
         return self.head(self.tokens(tokens).cumsum(1)[:, -1])
