@@ -23,6 +23,8 @@ def main(contender, out):
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         weights = {key: value.numpy() for key, value in model.state_dict().items()}
         np.savez(out, losses=np.array(losses), world=trainer.args.world_size, **weights)
+    if torch.distributed.is_initialized():  # gloo's threads left to the interpreter's exit abort it now and then
+        torch.distributed.destroy_process_group()  # ("terminate called without an active exception", exit -6)
 
 
 if __name__ == "__main__":
