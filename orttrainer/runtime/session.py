@@ -193,7 +193,7 @@ _shared_arena = []  # the process's one CPU arena, once registered
 def _share_one_cpu_arena(options: onnxruntime.SessionOptions) -> None:
     """The sessions made with ``options`` take their CPU memory from one arena, the process's, registered at the
     first call: each session's own arena keeps the most it ever held, so the training and eval sessions of every
-    graph would each keep their peak; one arena keeps the largest peak of any (benchmarks/NOTES.md §52)."""
+    graph would each keep their peak; one arena keeps the largest peak of any (benchmarks/NOTES.md §53)."""
     if not _shared_arena:
         memory = onnxruntime.OrtMemoryInfo("Cpu", onnxruntime.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
                                            onnxruntime.OrtMemType.DEFAULT)  # fmt: skip
