@@ -142,25 +142,25 @@ def test_export_failure_is_wrapped_and_chained():
             self.fc = nn.Linear(4, 2)
 
         def forward(self, x):
-            return self.fc(x) + torch.histc(x).sum()  # aten::histc has no ONNX symbolic
+            return self.fc(x) + torch.kthvalue(x, 2, 0).values.sum()  # aten::kthvalue has no ONNX symbolic
 
     from orttrainer.export.refusals import ExportError
 
     trainer = make_trainer(model=Unexportable(), loss_fn=F.mse_loss)
-    with pytest.raises(ExportError, match=r"torch.onnx.export of Unexportable failed: .*aten::histc") as caught:
+    with pytest.raises(ExportError, match=r"torch.onnx.export of Unexportable failed: .*aten::kthvalue") as caught:
         trainer.train_step(torch.randn(3, 4), torch.randn(3, 2))
     assert caught.value.__cause__ is not None
     assert "\n" not in str(caught.value)  # one line: the exporter's dump of the traced graph stays in the cause
     assert trainer._training_session is None
 
 
-class _Histogram(nn.Module):
-    """torch.histc, which the exporter cannot write (aten::histc has no ONNX symbolic); prints while it is traced."""
+class _KthValue(nn.Module):
+    """torch.kthvalue, which the exporter cannot write (aten::kthvalue has no ONNX symbolic); prints while traced."""
 
     def forward(self, x):
         if torch.jit.is_tracing():
             print("forward printed this while traced")
-        return x + torch.histc(x, bins=4).sum()
+        return x + torch.kthvalue(x, 2, 0).values.sum()
 
 
 class _Repeat(nn.Module):
@@ -169,7 +169,7 @@ class _Repeat(nn.Module):
 
 
 class _WithBlock(nn.Module):
-    """A Linear, then ``block`` (a ``_Histogram`` or ``_Repeat``)."""
+    """A Linear, then ``block`` (a ``_KthValue`` or ``_Repeat``)."""
 
     def __init__(self, block):
         super().__init__()
@@ -188,18 +188,18 @@ def test_an_op_the_exporter_cannot_write_is_named_with_its_module_and_line_and_n
 
     monkeypatch.setattr(progress.logger, "handlers", [caplog.handler])
     caplog.set_level(logging.DEBUG, logger=progress.logger.name)
-    trainer = make_trainer(model=_WithBlock(_Histogram()), loss_fn=F.mse_loss)
-    message = (r"torch.onnx.export of _WithBlock failed: Exporting the operator 'aten::histc' to ONNX opset version 17 "
-               r"is not supported, in module 'block' \(_Histogram\) at \S*test_bad_input.py:\d+: return x \+ "
-               r"torch.histc\(x, bins=4\).sum\(\). torch's exporter has no ONNX form for aten::histc: compute it with "
-               r"other torch ops, or train this model with torch \(torch's traced graph is logged at DEBUG by the "
+    trainer = make_trainer(model=_WithBlock(_KthValue()), loss_fn=F.mse_loss)
+    message = (r"torch.onnx.export of _WithBlock failed: Exporting the operator 'aten::kthvalue' to ONNX opset version "
+               r"17 is not supported, in module 'block' \(_KthValue\) at \S*test_bad_input.py:\d+: return x \+ "
+               r"torch.kthvalue\(x, 2, 0\).values.sum\(\). torch's exporter has no ONNX form for aten::kthvalue: compute it "
+               r"with other torch ops, or train this model with torch \(torch's traced graph is logged at DEBUG by the "
                r"'orttrainer' logger\)$")  # fmt: skip
     with pytest.raises(ExportError, match=message):
         trainer.train_step(torch.randn(3, 4), torch.randn(3, 4))
     printed = capfd.readouterr()
     assert printed.out == "forward printed this while traced\n" and printed.err == "", printed
     graph = [record.getMessage() for record in caplog.records if record.levelno == logging.DEBUG]
-    assert len(graph) == 1 and graph[0].startswith("torch.onnx.export failed on this") and "aten::histc" in graph[0]
+    assert len(graph) == 1 and graph[0].startswith("torch.onnx.export failed on this") and "aten::kthvalue" in graph[0]
 
 
 def _bad_repeats(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -13,6 +13,7 @@ Known, documented differences from torch are left out of the inputs and named wh
 """
 
 import numpy as np
+import onnxruntime
 import pytest
 import torch
 import torch.nn.functional as F
@@ -1291,6 +1292,44 @@ def test_cumsum_in_the_dtype_asked_for_and_of_bools_as_int64():
 
     values, upstream = {"x": x}, upstream_like(x.shape)
     check_against_torch(exported_model(function, values, upstream, ["x"]), function, values, ["x"], upstream)
+
+
+def _float_neighbours(values, dtype):
+    """``values`` and the next representable value of ``dtype`` on either side of each."""
+    values = torch.tensor(values, dtype=dtype)
+    return torch.cat([values, torch.nextafter(values, values + 1), torch.nextafter(values, values - 1)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bins, low, high", [(4, 0, 4), (4, 0, 3), (7, -1.3, 2.9), (5, 0.1, 0.7), (3, -1e-30, 1e-30),
+                                             (1, -5, 5)])  # fmt: skip
+def test_histc_counts_as_torch_at_the_bin_edges(dtype, bins, low, high):
+    """torch.histc, which the exporter has not (symbolics.reductions.histc; transformers' load-balancing loss counts
+    each expert's tokens with it): counts equal torch's in the same dtype at every bin edge and either float neighbour
+    of it (where torch's arithmetic, not the edge, decides), at min and max, ±0, ±tiny, ±huge, ±inf and NaN (in no bin),
+    and for an empty tensor."""
+    edges = torch.linspace(low, high, bins + 1, dtype=torch.float64).tolist()
+    specials = [0.0, -0.0, 1e-30, -1e-30, 1e-40, 1e30, -1e30, 3e38, -3e38, np.inf, -np.inf, np.nan]
+    spread_in = torch.linspace(low - 0.1 * (high - low), high + 0.1 * (high - low), 301, dtype=dtype)
+    x = torch.cat([_float_neighbours(edges + specials, dtype), spread_in]).numpy()
+    for values in (x, x[:0]):
+        function = lambda x: torch.histc(x, bins=bins, min=low, max=high)  # noqa: E731
+        model = exported_model(function, {"x": values}, np.ones(bins, np.float32), [])
+        session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        counts = session.run(["output"], {})[0]
+        expected = function(torch.from_numpy(values)).numpy()
+        assert counts.dtype == expected.dtype and (counts == expected).all(), f"{counts} != torch's {expected}"
+
+
+@pytest.mark.parametrize("dtype, low, high, message", [
+    (torch.float32, 0, 0, r"torch.histc in module '.*' with min == max \(0\) takes its range from the batch's values"),
+    (torch.float16, 0, 4, r"torch.histc in module '.*' of a torch.float16 tensor: .* float32 and float64 only"),
+])  # fmt: skip
+def test_histc_refused_where_it_would_differ(dtype, low, high, message):
+    """A range from the batch's values (torch's for min == max) and half-precision counts are refused by name."""
+    values = {"x": torch.arange(6, dtype=dtype).numpy()}
+    with pytest.raises(ValueError, match=message):
+        exported_model(lambda x: torch.histc(x, bins=4, min=low, max=high), values, np.ones(4, np.float32), [])
 
 
 # ---------------------------------------------------------------- through the public API (ORTTrainer)

@@ -270,8 +270,41 @@ def diff(g, x, n, dim, prepend, append):
     return x
 
 
+_FLOATING_TYPES = {_type_utils.JitScalarType.FLOAT, _type_utils.JitScalarType.DOUBLE}
+
+
+@symbolic_helper.parse_args("v", "i", "f", "f")
+def histc(g, x, bins, low, high):
+    """torch.histc, which the exporter has not (transformers' mixture-of-experts load-balancing loss counts each
+    expert's tokens with it): how many values of x fall in each of ``bins`` equal bins over [low, high], binned as
+    torch's CPU kernel bins them, in x's type: v in bin int((v - low) * bins / (high - low)), ``high`` in the last,
+    NaN and values outside the range in none. The counts have no gradient, as torch's."""
+    scope, scalar_type = _module_scope(g), _type_utils.JitScalarType.from_value(x)
+    if low == high:
+        raise ValueError(f"torch.histc in module '{scope}' with min == max ({low:g}) takes its range from the batch's "
+                         "values; pass the range as min and max")  # fmt: skip
+    if scalar_type not in _FLOATING_TYPES:
+        raise ValueError(f"torch.histc in module '{scope}' of a {scalar_type.dtype()} "
+                         "tensor: the trainer exports it for float32 and float64 only (torch bins half-precision values "
+                         "in its own rounding); count in float32")  # fmt: skip
+    build, dtype = _ExportGraph(g), _numpy_dtype(x)
+    flat = g.op("Reshape", x, build.const([-1], np.int64))
+    left, right = dtype.type(low), dtype.type(high)
+    inside = g.op("And", g.op("GreaterOrEqual", flat, build.const(left, dtype)),
+                  g.op("LessOrEqual", flat, build.const(right, dtype)))  # fmt: skip
+    within = g.op("Where", inside, flat, build.const(left, dtype))  # no infinity or NaN reaches the cast
+    scaled = g.op("Mul", g.op("Sub", within, build.const(left, dtype)), build.const(bins, dtype))
+    position = g.op("Cast", g.op("Div", scaled, build.const(right - left, dtype)), to_i=onnx.TensorProto.INT64)
+    last = build.const(bins - 1, np.int64)
+    position = g.op("Where", g.op("Greater", position, last), last, position)  # ``high`` itself
+    hits = g.op("Equal", build.unsqueeze(position, [1]), build.const(np.arange(bins), np.int64))
+    counted = g.op("Cast", g.op("And", hits, build.unsqueeze(inside, [1])), to_i=scalar_type.onnx_type())
+    return build.reduce("ReduceSum", counted, [0], keepdims=0)
+
+
 SYMBOLICS = {
     "linalg_vector_norm": linalg_vector_norm,
+    "histc": histc,
     "var": var,
     "var_mean": var_mean,
     "std": std,
