@@ -1,6 +1,7 @@
 """Train the same model with orttrainer and with a plain torch loop and compare step by step."""
 
 import copy
+from collections.abc import Mapping
 
 import torch
 
@@ -64,11 +65,40 @@ def assert_within_float32_error(ours, torch32, float64, what):
     )
 
 
+def assert_outputs_within_float32_error(outputs, expected, expected64, where):
+    """``outputs`` has ``expected``'s class and fields, each tensor as close to ``expected64``'s as ``expected``'s is
+    (assert_within_float32_error): a tuple of tensors a tuple again, a ModelOutput inside the ModelOutput (CLIP's
+    text_model_output) its own class again."""
+    assert type(outputs) is type(expected), f"{where} is {type(outputs).__name__}, not {type(expected).__name__}"
+    if isinstance(expected, Mapping):
+        assert list(outputs.keys()) == list(expected.keys()), f"{where}: fields {list(outputs.keys())}"
+        for key in expected.keys():
+            assert_outputs_within_float32_error(outputs[key], expected[key], expected64[key], f"{where}.{key}")
+    elif isinstance(expected, tuple):
+        assert len(outputs) == len(expected), f"{where}: {len(outputs)} tensors, not {len(expected)}"
+        for index, (mine, theirs, theirs64) in enumerate(zip(outputs, expected, expected64)):
+            assert_within_float32_error(mine, theirs, theirs64, f"{where}.{index}")
+    else:
+        assert_within_float32_error(outputs, expected, expected64, where)
+
+
 def float64_batch(batch):
     """``batch`` (a tuple or a dict) with its floating tensors in float64, for the float64 reference."""
     if isinstance(batch, dict):
         return {key: value for key, value in zip(batch, float64_batch(tuple(batch.values())))}
     return tuple(value.double() if torch.is_tensor(value) and value.is_floating_point() else value for value in batch)
+
+
+def float64_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A float64 deep copy of ``model``, for the float64 reference. transformers' default experts implementation,
+    "grouped_mm", has no float64 kernel on the CPU: the copy computes the same experts in transformers' "eager" loop."""
+    copied = copy.deepcopy(model).double()
+    for layer in copied.modules():
+        chosen = getattr(layer, "get_experts_implementation", lambda: {})()
+        if "grouped_mm" in chosen.values():
+            layer.set_experts_implementation({key: "eager" if value == "grouped_mm" else value
+                                              for key, value in chosen.items()})  # fmt: skip
+    return copied
 
 
 def run_parity(model, batches, optim_config, torch_optimizer, loss_fn=None, options=None, model_desc=None,
@@ -82,7 +112,7 @@ def run_parity(model, batches, optim_config, torch_optimizer, loss_fn=None, opti
     Returns the trainer and the reference module; with ``float64``, the float64 one too.
     """
     reference = copy.deepcopy(model)
-    reference64 = copy.deepcopy(model).double() if float64 else None
+    reference64 = float64_copy(model) if float64 else None
     trainer = ORTTrainer(model, model_desc, optim_config, loss_fn=loss_fn, options=options or cpu_options())
     optimizer = torch_optimizer(reference.parameters())
     optimizer64 = torch_optimizer(reference64.parameters()) if float64 else None

@@ -488,17 +488,6 @@ def test_first_step_check_runs_activation_checkpointed_models_with_dropout():
         trainer.train_step(torch.randn(3, 4), torch.randn(3, 4))
 
 
-def test_a_mixture_of_experts_on_transformers_default_experts_is_refused_with_the_fix():
-    """transformers' default experts implementation (grouped_mm) counts tokens per expert with torch.histc, which the
-    exporter cannot write; the error says which call makes the model train (tests/zoo.py trains it after that call)."""
-    import zoo
-
-    trainer = ORTTrainer(zoo.mixtral_lm(experts=None), None, optim.SGDConfig(lr=LR), options=cpu_options())
-    batch = zoo.causal_lm_batch(2, 6, generator=torch.Generator().manual_seed(0))
-    with pytest.raises(ExportError, match=r"aten::histc.*call model.set_experts_implementation\('batched_mm'\)"):
-        trainer.train_step(**batch)
-
-
 @pytest.mark.parametrize("changes, message", [
     ({"layerdrop": 0.1}, r"modeling_wav2vec2.py:\d+: if not skip_the_layer.*computed from a random draw .*config.layerdrop"),
     ({"apply_spec_augment": True, "mask_time_prob": 0.05},

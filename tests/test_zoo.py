@@ -18,7 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import zoo
-from parity import assert_within_float32_error, cpu_options, float64_batch, run_parity, train_keywords_like_torch
+from parity import (assert_outputs_within_float32_error, assert_within_float32_error, cpu_options, float64_batch, float64_copy, run_parity,
+                    train_keywords_like_torch)
 
 from orttrainer import ORTTrainer, optim
 
@@ -94,23 +95,6 @@ def test_torch_model(tmp_path, name):
 
 
 # ------------------------------------------------------------------ Hugging Face
-def _compare_outputs(outputs, expected, expected64, where):
-    """``outputs`` has ``expected``'s class and fields, each tensor close (to ``expected64``'s, as ``expected``'s is): a
-    tuple of tensors a tuple again, a ModelOutput inside the ModelOutput (CLIP's text_model_output) its own class
-    again."""
-    assert type(outputs) is type(expected), f"{where} is {type(outputs).__name__}, not {type(expected).__name__}"
-    if isinstance(expected, Mapping):
-        assert list(outputs.keys()) == list(expected.keys()), f"{where}: fields {list(outputs.keys())}"
-        for key in expected.keys():
-            _compare_outputs(outputs[key], expected[key], expected64[key], f"{where}.{key}")
-    elif isinstance(expected, tuple):
-        assert len(outputs) == len(expected), f"{where}: {len(outputs)} tensors, not {len(expected)}"
-        for index, (mine, theirs, theirs64) in enumerate(zip(outputs, expected, expected64)):
-            _close(mine, theirs, theirs64, f"{where}.{index}")
-    else:
-        _close(outputs, expected, expected64, where)
-
-
 def _graph_outputs(outputs, prefix="") -> dict:
     """{graph output name: tensor} of a ModelOutput: ``<field>``, ``<field>.<index>`` of a tuple,
     ``<field>.<subfield>`` of a nested ModelOutput."""
@@ -129,15 +113,15 @@ def _check_hugging_face(tmp_path, model, batches, eval_batch):
     """The HF user's loop: ``trainer.train_step(**batch)`` with labels (or return_loss=True) in the batch,
     the model's own loss, its ModelOutput back; against ``model(**batch).loss.backward()`` and torch SGD."""
     model.train()
-    reference, reference64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    reference, reference64 = copy.deepcopy(model), float64_copy(model)
     trainer = ORTTrainer(model, None, optim.SGDConfig(lr=LR), options=cpu_options())
-    train_keywords_like_torch(trainer, reference, reference64, batches, LR, _compare_outputs)
+    train_keywords_like_torch(trainer, reference, reference64, batches, LR, assert_outputs_within_float32_error)
 
     reference.eval()
     reference64.eval()
     with torch.no_grad():
         expected, expected64 = reference(**eval_batch), reference64(**float64_batch(eval_batch))
-    _compare_outputs(trainer.eval_step(**eval_batch), expected, expected64, "eval_step")
+    assert_outputs_within_float32_error(trainer.eval_step(**eval_batch), expected, expected64, "eval_step")
 
     _loads_strictly(model, trainer, reference, reference64)
 

@@ -342,21 +342,18 @@ def cohere_lm():
     return transformers.CohereForCausalLM(transformers.CohereConfig(**_LLAMA_LIKE, logit_scale=0.5))
 
 
-def mixtral_lm(experts="batched_mm"):
-    """Mixtral: a mixture of 4 SiLU-gated experts, 2 per token, routed by softmax over a gate. transformers' default
-    experts implementation counts tokens with torch.histc, which does not export (refused with the fix); "batched_mm"
-    computes the same experts for every token, weighted by the routing."""
+def mixtral_lm(**changes):
+    """Mixtral: a mixture of 4 SiLU-gated experts, 2 per token, routed by softmax over a gate, in transformers' default
+    experts implementation ("grouped_mm": tokens sorted by expert and counted with torch.histc), which the trainer
+    traces as "batched_mm" (export/experts.py). ``changes`` go to the config."""
     import transformers
 
-    config = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                        num_local_experts=4, num_experts_per_tok=2, attention_dropout=0.0,
-                                        router_jitter_noise=0.0, use_cache=False, pad_token_id=0, bos_token_id=1,
-                                        eos_token_id=2)  # fmt: skip
-    model = transformers.MixtralForCausalLM(config)
-    if experts:
-        model.set_experts_implementation(experts)
-    return model
+    config = transformers.MixtralConfig(**{**dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40,
+                                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                  max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
+                                                  attention_dropout=0.0, router_jitter_noise=0.0, use_cache=False,
+                                                  pad_token_id=0, bos_token_id=1, eos_token_id=2), **changes})  # fmt: skip
+    return transformers.MixtralForCausalLM(config)
 
 
 def t5_generator():

@@ -21,7 +21,7 @@ from torch.onnx import TrainingMode
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from . import export_failures, forward_effects, symbolics
+from . import experts, export_failures, forward_effects, symbolics
 from .as_trained import WRAPPED, keeping_no_activations, with_loss
 from .exported_graph import loss_tensors_as_constants, resolve_markers, strip_wrapper_prefix
 from .exporter_warnings import ExporterWarnings, ValuesTurnedPython
@@ -52,12 +52,13 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
     def export_once():
         return _traced_export(model, wrapper, inputs, desc_inputs, desc_outputs, opset, devices, loss_index)
 
-    serialized, facts, module_state_before = _export_from_the_state_of_a_first_call(model, loss_fn, export_once)
-    mismatch = _outputs_differing_by_mode(model, wrapper, desc_outputs)
-    if mismatch:
-        raise mismatch
-    refuse_state_changes(module_state_before, model, loss_fn)  # first: the draws' exports put the tensors back
-    refuse_draws_outside_torch(states_before, model, wrapper, inputs, devices, serialized, export_once)
+    with experts.traced_for_every_routing(model):
+        serialized, facts, module_state_before = _export_from_the_state_of_a_first_call(model, loss_fn, export_once)
+        mismatch = _outputs_differing_by_mode(model, wrapper, desc_outputs)
+        if mismatch:
+            raise mismatch
+        refuse_state_changes(module_state_before, model, loss_fn)  # first: the draws' exports put the tensors back
+        refuse_draws_outside_torch(states_before, model, wrapper, inputs, devices, serialized, export_once)
     exported = onnx.load_from_string(serialized)
     loss_tensors_as_constants(exported, wrapper)
     strip_wrapper_prefix(exported)
@@ -195,12 +196,12 @@ def _traced_export(model, wrapper, inputs, desc_inputs, desc_outputs, opset, dev
 
 def _known_fix(model, message: str) -> str:
     """What to do about an export failure orttrainer knows the cause of, or ''."""
-    config = getattr(model, "config", None)
-    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-    if "aten::histc" in message and experts and hasattr(model, "set_experts_implementation"):
-        return (". transformers' mixture-of-experts layers count each expert's tokens with torch.histc in their default "
-                "experts implementation, which does not export: call model.set_experts_implementation('batched_mm') "
-                "before creating the trainer (the same experts, computed for every token and weighted by the routing)")
+    kept = experts.other_implementations(model)
+    if kept:
+        return (f". {type(model).__name__} computes its experts in transformers' {' and '.join(map(repr, kept))} "
+                "experts implementation, which the trainer traces as it is (it traces 'eager' and 'grouped_mm' as "
+                "'batched_mm', the same experts for every routing); if the op is in the experts, call "
+                "model.set_experts_implementation('batched_mm') before creating the trainer")
     if "unordered_map::at" in message:
         return (". torch's exporter fails this way on torch.utils.checkpoint(..., use_reentrant=True) in forward: pass "
                 "use_reentrant=False (the gradients are the same; orttrainer trains the forward as if not checkpointed)")
