@@ -4,6 +4,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -11,12 +12,12 @@ import pytest
 from conftest import subprocess_env
 
 from orttrainer import ORTTrainerOptions, checkpoint
-from orttrainer.update.distributed import owners, world_from
+from orttrainer.update.distributed import _warn_if_restarts_share_the_agent_store, owners, world_from
 
 HERE = Path(__file__).parent
 ENV = subprocess_env(HERE)
 # a restarted attempt's workers must not share torchrun's store: they could read the dead attempt's gloo addresses
-# (pytorch/pytorch#135712; without this, 3 restarts of 6 failed to connect here, torch 2.13)
+# (pytorch/pytorch#135712; without this, 3 restarts of 6 failed to connect here, torch 2.13, and 2 of 3 later)
 RESTARTS_ENV = subprocess_env(HERE, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
 
 
@@ -194,6 +195,21 @@ def test_world_from_environment_and_options(monkeypatch):
     monkeypatch.delenv("LOCAL_RANK")
     with pytest.raises(ValueError, match=r"world_rank 3 is outside 0..1"):
         world_from(ORTTrainerOptions({"distributed": {"world_size": 2, "world_rank": 3}}))
+
+
+@pytest.mark.parametrize("max_restarts, shared, warns", [("1", "True", True), ("0", "True", False), ("1", "False", False)])
+def test_a_job_that_may_restart_with_the_agents_store_is_warned(monkeypatch, max_restarts, shared, warns):
+    """As torchrun sets them: TORCHELASTIC_USE_AGENT_STORE is "False" under TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1."""
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", max_restarts)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", shared)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _warn_if_restarts_share_the_agent_store()
+    messages = [str(warning.message) for warning in caught]
+    expected = ["torchrun may restart this job (--max-restarts=1) and its workers share the agent's store, where a restarted attempt can "
+                "read the dead attempt's addresses and fail to connect (pytorch#135712): set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for "
+                "torchrun on every node"]  # fmt: skip
+    assert messages == (expected if warns else [])
 
 
 def test_zero_ownership_balances_elements():

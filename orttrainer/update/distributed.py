@@ -10,6 +10,7 @@ created here is destroyed when the process exits.
 import atexit
 import hashlib
 import os
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -67,8 +68,25 @@ def ensure_process_group(world: World, device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    _warn_if_restarts_share_the_agent_store()
     dist.init_process_group(backend, rank=world.rank, world_size=world.size, timeout=COLLECTIVE_TIMEOUT)
     atexit.register(_destroy_process_group)
+
+
+def _warn_if_restarts_share_the_agent_store() -> None:
+    """Warn of a torchrun job that may restart while its workers use the store of torchrun's agent.
+
+    That store outlives an attempt, so a restarted attempt can read the dead one's addresses and fail
+    to connect (pytorch#135712). No key prefix can set attempts apart from here: torchrun gives its
+    workers no attempt number that all nodes share (TORCHELASTIC_RESTART_COUNT is each agent's own).
+    """
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        warnings.warn(
+            f"torchrun may restart this job (--max-restarts={restarts}) and its workers share the agent's store, "
+            "where a restarted attempt can read the dead attempt's addresses and fail to connect (pytorch#135712): "
+            "set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun on every node"
+        )
 
 
 def _destroy_process_group() -> None:
