@@ -1,7 +1,11 @@
 """samples/torchrun_ddp.py with rank 1 killed (SIGKILL, no cleanup) right after its training step KILL_AFTER,
-on torchrun's first attempt only: a crash for torchrun --max-restarts to recover from.
+once per job: a crash for torchrun --max-restarts to recover from.
 
-    torchrun ... killed_rank_job.py KILL_AFTER <the sample's arguments>
+    torchrun ... killed_rank_job.py KILL_AFTER KILLED_MARKER <the sample's arguments>
+
+Rank 1 creates the file KILLED_MARKER just before it dies, and no rank dies once it exists: TORCHELASTIC_RESTART_COUNT
+cannot tell the first attempt, as each agent counts its own restarts (with several nodes, the agent of a node whose
+workers did not fail restarts them without counting).
 """
 
 import os
@@ -16,14 +20,15 @@ SAMPLE = Path(__file__).resolve().parent.parent / "samples" / "torchrun_ddp.py"
 
 
 def main():
-    kill_after, sys.argv = int(sys.argv[1]), [str(SAMPLE), *sys.argv[2:]]
-    if os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    kill_after, marker, sys.argv = int(sys.argv[1]), Path(sys.argv[2]), [str(SAMPLE), *sys.argv[3:]]
+    if os.environ["RANK"] == "1" and not marker.exists():
         train_step, steps = ORTTrainer.train_step, []
 
         def train_step_then_die(self, *args, **kwargs):
             outputs = train_step(self, *args, **kwargs)
             steps.append(None)
             if len(steps) == kill_after:
+                marker.touch(exist_ok=False)
                 os.kill(os.getpid(), signal.SIGKILL)
             return outputs
 

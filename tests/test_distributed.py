@@ -158,7 +158,7 @@ def test_a_job_torchrun_restarts_after_a_rank_dies_ends_with_the_uninterrupted_w
     cut_short = (tmp_path / "a" / "step-000008.ortcp").read_bytes()[:20000]
     for name in ("step-000008.ortcp", ".step-000008.ortcp.x1y2z3.tmp"):
         (restarted / name).write_bytes(cut_short)
-    result = launch([HERE / "killed_rank_job.py", 6, *flags, "--resume", "--checkpoint-dir", restarted, "--checkpoint",
+    result = launch([HERE / "killed_rank_job.py", 6, tmp_path / "killed", *flags, "--resume", "--checkpoint-dir", restarted, "--checkpoint",
                      tmp_path / "restarted.ortcp"], 2, 240, restarts=1)  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count(f"skipping {restarted / 'step-000008.ortcp'}") == 2, result.stdout  # once per attempt
