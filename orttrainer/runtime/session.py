@@ -347,13 +347,13 @@ class TorchBoundSession:
             )
         check_provider_in_use(providers, self.session.get_providers(), device)
         self._run_options = run_options()
-        # The arena keeps what a run freed, ready for the next run at the same shapes. A run at other shapes (a batch
-        # of another length) gives back at its end what the arena no longer holds, or the arena would keep every
-        # length's peak; so does the first run, a graph's checked one, after which torch takes its own step
-        # (benchmarks/NOTES.md §53). A user's options may turn the arena off, and then there is nothing to give back.
+        # The first run, a graph's checked one, gives back at its end what the arena no longer holds: torch takes its
+        # own step next. Later runs keep what they freed, ready for the next run, at any shapes: giving it back at
+        # every new length cost T5 7% of its step, and its peak nothing (benchmarks/NOTES.md §54). A user's options
+        # may turn the arena off, and then there is nothing to give back.
         self._arena = device.type == "cpu" and options.enable_cpu_mem_arena
         self._releasing_run_options = run_options(release_arena=True) if self._arena else None
-        self._release_after_run, self._input_shapes = self._arena, {}
+        self._release_after_run = self._arena
         self.input_names = {graph_input.name for graph_input in self.session.get_inputs()}
         self.output_names = [output.name for output in self.session.get_outputs()]
         self._bool_outputs = {output.name for output in self.session.get_outputs() if output.type == "tensor(bool)"}
@@ -372,10 +372,7 @@ class TorchBoundSession:
         """Bind a contiguous tensor on the session's device as input ``name``."""
         if not tensor.is_contiguous():  # ONNX Runtime would read its storage as if it were (a caller's bug)
             raise RuntimeError(f"input '{name}' of shape {list(tensor.shape)} is not contiguous in memory")
-        shape = list(tensor.shape)
-        if self._input_shapes.setdefault(name, shape) != shape:
-            self._input_shapes[name], self._release_after_run = shape, self._arena
-        self._raw_binding.bind_input(name, self._device, _NUMPY_DTYPES[tensor.dtype], shape, tensor.data_ptr())
+        self._raw_binding.bind_input(name, self._device, _NUMPY_DTYPES[tensor.dtype], list(tensor.shape), tensor.data_ptr())
 
     def bind_output(self, name: str, tensor: torch.Tensor) -> None:
         """Have the session write output ``name`` straight into ``tensor``."""
