@@ -205,8 +205,8 @@ class ORTTrainer:
         info.step += 1
         for counter in self._runtime.batch_counters.values():
             counter += 1
-        if self._data_parallel is not None and self._runtime.batch_norms:
-            self._data_parallel.share_buffers(self._runtime.batch_norm_tensors())
+        if self._data_parallel is not None and self._runtime.buffer_writes:
+            self._data_parallel.share_buffers(self._runtime.buffer_tensors())
         if not starts_window:
             self._gradients.add_scratch()
         returned = selected_outputs(self.model_desc, outputs, requested, info.fetches)
@@ -231,7 +231,7 @@ class ORTTrainer:
             runtime.loss_scale.fill_(self.options.mixed_precision.loss_scaler.loss_scale)
         outputs, embedding_outputs = runtime.run_training()
         self._gradients.add_embedding_gradients(embedding_outputs)
-        runtime.update_batch_norms()
+        runtime.update_buffers()
         return outputs
 
     def _check_against_torch(self, inputs, gradient_buffers):
@@ -259,10 +259,10 @@ class ORTTrainer:
         runtime.dropout_scale.fill_(0.0)
         try:
             outputs = self._run_training_graph(inputs, gradients)
-            buffers = runtime.batch_norm_copies()
+            buffers = runtime.buffer_copies()
         finally:
             runtime.dropout_scale.fill_(1.0)
-            runtime.restore_batch_norms()  # torch's side starts from the statistics the step starts from
+            runtime.restore_buffers()  # torch's side starts from the buffers the step starts from
             self._gradients.bind(bound_before)
         if runtime.loss_scale is not None:  # mixed precision: gradients of loss * scale; an overflow is the scaler's to handle
             if not all(bool(grad.isfinite().all()) for grad in gradients.values()):
@@ -280,7 +280,7 @@ class ORTTrainer:
             self._check_failure = error  # raised on every rank at the window's end (_share_check_failures)
         if not is_the_step:
             return None
-        runtime.update_batch_norms()  # the run's statistics, still in its outputs: those of the step
+        runtime.update_buffers()  # the run's values, still in its outputs: those of the step
         return outputs
 
     def _update_weights(self, lr, accumulation):

@@ -12,7 +12,7 @@ import contextlib
 import torch
 
 from . import forward_effects
-from .refusals import DifferentiationRefused, refuse_state_changes
+from .refusals import DifferentiationRefused, refuse_state_changes, refuse_writes_in_eval_mode
 from ..api import model_outputs
 
 WRAPPED = "model."  # prefix the wrapper adds to every weight name
@@ -90,6 +90,7 @@ def sample_outputs(model, loss_fn, forward_names, inputs, constants=None):
             outputs = wrapper(*inputs)
         # a clamp makes its change at the first run only; in-place ops the version counter sees the export names
         refuse_state_changes(tensors, model, loss_fn, unseen_only=True)
+        refuse_writes_in_eval_mode(forward_effects.buffers_written(tensors, model, loss_fn), type(model).__name__)
         return outputs, wrapper.form
     finally:
         _restore_attributes(attributes)

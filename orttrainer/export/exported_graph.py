@@ -7,12 +7,15 @@ gradient rules as an ``EmbeddingLookup``, hardtanh's Clip and detach's Identity 
 
 from dataclasses import dataclass
 
+import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
 from . import symbolics
 from .as_trained import WRAPPED
 from ..graph import rewrites
+from ..graph.eval_graph import IN_TRAINING
+from ..graph.outputs_for_trainer import WRITTEN_PREFIX
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,8 @@ def resolve_markers(model: onnx.ModelProto) -> dict:
 
     An embedding's marker on the gather indices is removed, its rules returned. A hardtanh marker
     becomes the Clip it stands for, marked ``rewrites.ZERO_GRADIENT_AT_BOUNDS``; a detach
-    marker an Identity marked ``rewrites.STOP_GRADIENT``.
+    marker an Identity marked ``rewrites.STOP_GRADIENT``; an in-training marker (buffer_writes.in_training) a
+    Where on ``eval_graph.IN_TRAINING``, which the training and eval graphs resolve (``eval_graph.take_branches``).
     """
     markers = {node.output[0]: node for node in model.graph.node if node.domain == symbolics.DOMAIN}
     lookups = {}
@@ -69,6 +73,11 @@ def resolve_markers(model: onnx.ModelProto) -> dict:
             marker.op_type, marker.domain, marker.doc_string = "Clip", "", rewrites.ZERO_GRADIENT_AT_BOUNDS
         elif marker.op_type == "Detach":
             marker.op_type, marker.domain, marker.doc_string = "Identity", "", rewrites.STOP_GRADIENT
+        elif marker.op_type == "InTraining":
+            marker.op_type, marker.domain = "Where", ""
+            marker.input.insert(0, IN_TRAINING)
+    if any(marker.op_type == "Where" for marker in markers.values()):
+        model.graph.initializer.append(numpy_helper.from_array(np.array(True), IN_TRAINING))
     kept = [node for node in model.graph.node if node.domain != symbolics.DOMAIN]
     del model.graph.node[:]
     model.graph.node.extend(kept)
@@ -76,3 +85,14 @@ def resolve_markers(model: onnx.ModelProto) -> dict:
     del model.opset_import[:]
     model.opset_import.extend(domains)
     return lookups
+
+
+def name_written_buffers(model: onnx.ModelProto, written) -> None:
+    """Name the graph's last outputs, the new values of the buffers ``written`` (the trace returns them after the
+    model's outputs, trace._WeightsAsInputs), ``WRITTEN_PREFIX`` + the buffer's name, each through an Identity: the
+    value may be another output's too."""
+    outputs = model.graph.output[len(model.graph.output) - len(written) :]
+    for buffer, output in zip(written, outputs):
+        name = WRITTEN_PREFIX + buffer
+        model.graph.node.append(helper.make_node("Identity", [output.name], [name], name=name))
+        output.name = name

@@ -136,13 +136,16 @@ def _is_harmless(heard: _Heard) -> bool:
     return any(issubclass(heard.category, category) and re.search(pattern, heard.message) for category, pattern in _HARMLESS)
 
 
-def _mutation_problem(found: re.Match, state_names, changed_state, changed_inputs):
+def _mutation_problem(found: re.Match, state_names, changed_state, changed_inputs, written):
     """Why the in-place op of a ``_MUTATION`` warning (``found``), which the exporter turned into a copy, makes
     the graph differ, or None (harmless: it changed a tensor made from the batch, not the batch or the
-    module's state). The exporter names the values of ``tensor[mask] = value`` as the input an ``index_put_``
-    changes when they are a weight (Wav2Vec2's masked_spec_embed): a weight the trace left unchanged is not taken
-    for changed there."""
+    module's state; or a buffer the trace saw changed, whose new value the graph returns for the trainer to write,
+    ``trace._WeightsAsInputs``). The exporter names the values of ``tensor[mask] = value`` as the input an
+    ``index_put_`` changes when they are a weight (Wav2Vec2's masked_spec_embed): a weight the trace left unchanged
+    is not taken for changed there."""
     op, target = found.group(1), found.group(2)
+    if target in written:
+        return None
     if target in state_names and (target in changed_state or op != "aten::index_put_"):
         return (f"forward changes the buffer '{target[len(WRAPPED):]}' in place ({op}), and the graph cannot: torch would "
                 "update it every step, orttrainer never")
@@ -249,8 +252,9 @@ class ExporterWarnings:
     one, with the reason) are dropped; all others reach the user unchanged.
     """
 
-    def __init__(self, values: ValuesTurnedPython, inputs: dict, state: dict):
+    def __init__(self, values: ValuesTurnedPython, inputs: dict, state: dict, written: list):
         self.values, self.inputs, self.state = values, inputs, state
+        self.written = written  # the buffers the trace returns written (filled by trace._WeightsAsInputs's forward)
 
     def __enter__(self):
         self.heard = []
@@ -282,7 +286,7 @@ class ExporterWarnings:
                 continue
             mutation = re.search(_MUTATION, heard.message)
             if mutation is not None:
-                reason = _mutation_problem(mutation, self.state, changed_state, changed)
+                reason = _mutation_problem(mutation, self.state, changed_state, changed, {WRAPPED + name for name in self.written})
                 if reason is not None and f"{heard.describe()}: {reason}" not in problems:
                     problems.append(f"{heard.describe()}: {reason}")
                 continue

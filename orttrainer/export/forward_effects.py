@@ -368,15 +368,34 @@ def hook_variables(layer: torch.nn.Module, where: str) -> list:
     return found
 
 
-def state_changes(before: dict, model: torch.nn.Module, loss_fn, unseen_only: bool) -> list:
+def writable_buffers(module: torch.nn.Module) -> dict:
+    """{qualified name: tensor} of the buffers a training forward may write in place for the graph to carry (the trace
+    returns their new values, trace._WeightsAsInputs): all but BatchNorm's, whose statistics the graph's
+    BatchNormalization updates and whose batch counter the trainer counts."""
+    return {f"{path}.{name}" if path else name: tensor for path, layer in module.named_modules()
+            if not isinstance(layer, torch.nn.modules.batchnorm._BatchNorm)
+            for name, tensor in layer._buffers.items() if tensor is not None}  # fmt: skip
+
+
+def buffers_written(before: dict, model: torch.nn.Module, loss_fn) -> list:
+    """The buffers of ``before`` (``module_state``) that forward wrote in place since: the same tensor, its version
+    counter moved."""
+    after = module_state(model, loss_fn, attributes=False)
+    return [name for (kind, name), value in before.items() if kind == "buffer" and (kind, name) in after
+            and after[(kind, name)].identity == value.identity and after[(kind, name)].version != value.version]  # fmt: skip
+
+
+def state_changes(before: dict, model: torch.nn.Module, loss_fn, unseen_only: bool, written=()) -> list:
     """What forward changed of ``before`` (``module_state``, taken with ``attributes`` unless ``unseen_only``), one line
-    each; with ``unseen_only`` only tensors changed where their version counter did not count it."""
+    each; with ``unseen_only`` only tensors changed where their version counter did not count it. The buffers
+    ``written`` in place (the graph carries their new values: ``writable_buffers``) are no change while they are the
+    same tensors."""
     after = module_state(model, loss_fn, attributes=not unseen_only)
     changes = []
     for (kind, name), value in before.items():
         now = after.get((kind, name), _MISSING)
         tensor = isinstance(value, _Fingerprint)
-        if now is _MISSING:
+        if now is _MISSING or (kind == "buffer" and name in written and now.identity == value.identity):
             continue
         if not value.changed(now, unseen_only, kind == "parameter") if tensor else now is value or now == value:
             continue  # a Python value: the same object is unchanged (a NaN too)

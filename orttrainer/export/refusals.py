@@ -12,8 +12,6 @@ import functools
 import sys
 
 import torch
-from torch.nn.utils.parametrizations import _SpectralNorm
-from torch.nn.utils.spectral_norm import SpectralNorm as _SpectralNormHook
 from torch.overrides import TorchFunctionMode
 
 from . import forward_effects
@@ -84,22 +82,8 @@ def refuse_untrainable_modules(model: torch.nn.Module) -> None:
                 f"module '{path}' ({type(layer).__name__}) creates its parameters at its first forward: run the model once "
                 "on a batch before creating the trainer, so that the trainer starts from your module's weights"
             )
-        if _spectral_norm_updates(layer):
-            owner = path.rsplit("parametrizations.", 1)[0].rstrip(".") if isinstance(layer, _SpectralNorm) else path
-            problems.append(
-                f"module '{owner}' ({type(model.get_submodule(owner)).__name__}) has spectral_norm: in training mode torch's "
-                "power iteration updates its u and v vectors in place at every forward, which an ONNX graph cannot do; "
-                "remove spectral_norm or train this model with torch"
-            )
     if problems:
         raise ExportError("cannot train this model the way torch would:\n- " + "\n- ".join(problems))
-
-
-def _spectral_norm_updates(layer: torch.nn.Module) -> bool:
-    """Whether forward runs spectral_norm's power iteration on ``layer`` (the parametrization, or the older hook)."""
-    if isinstance(layer, _SpectralNorm):
-        return layer.training and layer.n_power_iterations > 0
-    return layer.training and any(isinstance(hook, _SpectralNormHook) for hook in layer._forward_pre_hooks.values())
 
 
 class DifferentiationRefused(TorchFunctionMode):
@@ -183,7 +167,8 @@ def _custom_functions(output) -> list:
         if isinstance(node, torch.autograd.function.BackwardCFunction):
             function = node._forward_cls
             name = f"{function.__module__}.{function.__qualname__}"
-            if name not in found and name not in GRADIENT_OF_THEIR_FORWARD:
+            own = getattr(function, "graph_marker", False)  # orttrainer's (buffer_writes.in_training)
+            if name not in found and name not in GRADIENT_OF_THEIR_FORWARD and not own:
                 found.append(name)
         stack.extend(child for child, _ in node.next_functions)
     return found
@@ -231,11 +216,12 @@ def refuse_draws_outside_torch(before: tuple, model, call, inputs, devices, seri
     )
 
 
-def refuse_state_changes(before: dict, model, loss_fn, unseen_only=False) -> None:
+def refuse_state_changes(before: dict, model, loss_fn, unseen_only=False, written=()) -> None:
     """Refuses a forward that changed its modules' state in a way the graph cannot: torch carries the change into
-    the next step (a counter that later takes a branch, a buffer's running value, a clamped weight), the graph
-    starts every step from the state it was traced with. ``unseen_only``: see ``forward_effects.state_changes``."""
-    changes = forward_effects.state_changes(before, model, loss_fn, unseen_only)
+    the next step (a counter in an attribute that later takes a branch, a buffer reassigned, a clamped weight), the
+    graph starts every step from the state it was traced with. ``unseen_only``, ``written`` (the buffers the graph
+    writes): see ``forward_effects.state_changes``."""
+    changes = forward_effects.state_changes(before, model, loss_fn, unseen_only, written)
     if changes:
         raise ExportError(
             f"{type(model).__name__}'s forward or loss changes its own state, which the graph cannot: torch would carry "
@@ -243,4 +229,17 @@ def refuse_state_changes(before: dict, model, loss_fn, unseen_only=False) -> Non
             + "\n- ".join(changes)
             + "\nKeep such state out of forward (update it in the training loop, between steps), or train this model "
             "with torch."
+        )
+
+
+def refuse_writes_in_eval_mode(written: list, model_name: str) -> None:
+    """Refuses a forward that writes buffers in place in eval mode too (``written``: their names), as a counter with no
+    ``if self.training`` does: the training graph carries such writes into the buffers (trace._WeightsAsInputs), the
+    eval graph, the trace's forward with dropout off and BatchNorm on its statistics, writes nothing."""
+    if written:
+        raise ExportError(
+            f"{model_name}'s forward writes the buffers {written} in place in eval mode too: orttrainer carries what a "
+            "training forward writes into the buffers after each train_step, but eval_step writes nothing, where torch's "
+            "eval-mode forward would; write them under `if self.training:` (as BatchNorm updates its statistics), or "
+            "train this model with torch"
         )

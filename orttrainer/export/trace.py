@@ -22,8 +22,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from . import experts, export_failures, forward_effects, symbolics
+from .buffer_writes import BufferWrites, changes_in_place, refuse_unseen_writes
 from .as_trained import WRAPPED, keeping_no_activations, with_loss
-from .exported_graph import loss_tensors_as_constants, resolve_markers, strip_wrapper_prefix
+from .exported_graph import loss_tensors_as_constants, name_written_buffers, resolve_markers, strip_wrapper_prefix
 from .exporter_warnings import ExporterWarnings, ValuesTurnedPython
 from .size_guards import NO_GUARDS, Guards
 from .refusals import (ExportError, HookAndFunctionSpy, functions_as_their_forward, refuse_custom_backward,
@@ -57,11 +58,13 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
         mismatch = _outputs_differing_by_mode(model, wrapper, desc_outputs)
         if mismatch:
             raise mismatch
-        refuse_state_changes(module_state_before, model, loss_fn)  # first: the draws' exports put the tensors back
+        # first: the draws' exports put the tensors back
+        refuse_state_changes(module_state_before, model, loss_fn, written=facts.written_buffers)
         refuse_draws_outside_torch(states_before, model, wrapper, inputs, devices, serialized, export_once)
     exported = onnx.load_from_string(serialized)
     loss_tensors_as_constants(exported, wrapper)
     strip_wrapper_prefix(exported)
+    name_written_buffers(exported, facts.written_buffers)
     lookups = resolve_markers(exported)
     rewrites.torch_pools(exported)  # first: torch's pools can make fewer windows than ONNX's, whose sizes folding reads
     rewrites.fold_static_sizes(exported, _module_tensor_names(model))
@@ -72,11 +75,14 @@ def export_to_onnx(model, inputs, loss_fn, forward_names, desc_inputs, desc_outp
 class TraceFacts:
     """What a trace took from its batch beyond the graph: ``frozen_values``, where it froze a Python value of unknown
     origin (``exporter_warnings._FROZEN_VALUE``); ``guards``, its decisions on sizes (``size_guards.Guards``);
-    ``sizes_read_untraced``, where it read a size as a plain int (``len(tensor)``), which no guard sees."""
+    ``sizes_read_untraced``, where it read a size as a plain int (``len(tensor)``), which no guard sees;
+    ``written_buffers``, the buffers forward wrote in place, whose new values the graph returns last
+    (``_WeightsAsInputs``)."""
 
     frozen_values: list
     guards: Guards
     sizes_read_untraced: list
+    written_buffers: list
 
 
 def _export_from_the_state_of_a_first_call(model, loss_fn, export_once):
@@ -93,7 +99,8 @@ def _export_from_the_state_of_a_first_call(model, loss_fn, export_once):
             failed = None
         except ExportError as error:
             failed = error
-        changed = forward_effects.state_changes(before, model, loss_fn, unseen_only=False)
+        written = [] if failed is not None else facts.written_buffers
+        changed = forward_effects.state_changes(before, model, loss_fn, unseen_only=False, written=written)
     if not changed and failed is not None:
         raise failed
     if not changed:
@@ -114,6 +121,11 @@ class _WeightsAsInputs(torch.nn.Module):
 
     With a ``loss_index``, what carries a hand-written backward is refused as soon as forward + loss have run
     (``refuse_custom_backward``), before the exporter converts or complains: the trace is the forward that shows it.
+
+    The buffers forward writes in place (``forward_effects.writable_buffers``: a step counter, an exponential moving
+    average) are returned after the outputs, ``written`` naming them: the exporter turns each in-place op into a new
+    value, which the graph then returns for the trainer to copy into the buffer after each step (as torch's forward
+    leaves it there); ``writes`` (buffer_writes.BufferWrites) makes it a value the eval graph does not take.
     """
 
     def __init__(self, wrapper, count: int, loss_index=None):
@@ -128,6 +140,11 @@ class _WeightsAsInputs(torch.nn.Module):
             if isinstance(tensor, torch.Tensor) and id(tensor) not in seen:
                 self.weights[name] = tensor
                 seen.add(id(tensor))
+        writable = forward_effects.writable_buffers(wrapper.model)
+        self.buffers = {name: writable[name[len(WRAPPED) :]] for name in self.weights
+                        if name.startswith(WRAPPED) and name[len(WRAPPED) :] in writable}  # fmt: skip
+        self.written = []  # state_dict names of the buffers forward wrote, at the end of forward
+        self.writes = BufferWrites(self.buffers)  # entered around the export, as the spy
 
     def forward(self, *inputs):
         for name, tensor in zip(self.weights, inputs[self.count :]):
@@ -136,6 +153,7 @@ class _WeightsAsInputs(torch.nn.Module):
         if scopes is not None:
             scopes.update({layer: scope_of(torch.typename(type(layer)), _scope_name(name))
                            for name, layer in self.wrapper.named_modules() if layer is not self.wrapper})
+        versions = {name: tensor._version for name, tensor in self.buffers.items()}
         with _one_value_per_channel_explained():
             outputs = self.wrapper(*inputs[: self.count])
         if self.loss_index is not None:
@@ -143,7 +161,10 @@ class _WeightsAsInputs(torch.nn.Module):
         self.graph = torch._C._get_tracing_state().graph()
         if self.size_guards is not None:  # the traced graph is the exporter's to change once forward returns
             self.guards = self.size_guards.compile(self.graph, list(inputs[: self.count]), list(self.weights.values()))
-        return outputs
+        written = [name for name, tensor in self.buffers.items() if tensor._version != versions[name]]
+        refuse_unseen_writes(written, self.writes.marked)
+        self.written[:] = [name[len(WRAPPED) :] for name in written]
+        return (*outputs, *(self.buffers[name] for name in written))
 
 
 def _scope_name(path: str) -> str:
@@ -166,8 +187,8 @@ def _traced_export(model, wrapper, inputs, desc_inputs, desc_outputs, opset, dev
         # autograd on whatever the caller's mode (an eval_step under torch.no_grad() builds a graph that trains)
         traced.size_guards = values.size_guards
         with torch.random.fork_rng(devices=devices), symbolics.exporting(), torch.enable_grad(), \
-                keeping_no_activations(), ExporterWarnings(values, inputs_by_name, state) as heard, traced.spy, \
-                functions_as_their_forward(), _NoGradResultsDetached(), values, printed:
+                keeping_no_activations(), ExporterWarnings(values, inputs_by_name, state, traced.written) as heard, traced.spy, \
+                functions_as_their_forward(), traced.writes, _NoGradResultsDetached(), values, printed:
             torch.onnx.export(
                 traced,
                 (*inputs, *traced.weights.values()),
@@ -191,7 +212,7 @@ def _traced_export(model, wrapper, inputs, desc_inputs, desc_outputs, opset, dev
         failed = ExportError(f"torch.onnx.export of {type(model).__name__} failed: {first_line}"
                              f"{export_failures.where(error, traced.graph, wrapper)}{fix}{printed.note()}")  # fmt: skip
         raise mismatch or failed from error
-    return buffer.getvalue(), TraceFacts(heard.frozen_values, traced.guards, heard.sizes_read_untraced)
+    return buffer.getvalue(), TraceFacts(heard.frozen_values, traced.guards, heard.sizes_read_untraced, traced.written)
 
 
 def _known_fix(model, message: str) -> str:
@@ -259,11 +280,11 @@ class _NoGradResultsDetached(TorchFunctionMode):
         if tracing and func in _WRITES_UNDER_NO_GRAD and _requires_grad(args, kwargs):  # its own ops are not seen here
             _refuse_write_under_no_grad(_WRITES_UNDER_NO_GRAD[func])
         writes_needing_grad = args and isinstance(args[0], torch.Tensor) and args[0].requires_grad
-        if tracing and not torch.is_grad_enabled() and _changes_in_place(func) and writes_needing_grad:
+        if tracing and not torch.is_grad_enabled() and changes_in_place(func) and writes_needing_grad:
             name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
             _refuse_write_under_no_grad(name.replace("TensorBase.", "Tensor."))
         result = func(*args, **kwargs)
-        if not tracing or torch.is_grad_enabled() or _changes_in_place(func) or not _requires_grad(args, kwargs):
+        if not tracing or torch.is_grad_enabled() or changes_in_place(func) or not _requires_grad(args, kwargs):
             return result
         return pytree.tree_map(lambda leaf: leaf.detach() if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
                                else leaf, result)  # fmt: skip
@@ -289,12 +310,6 @@ def _refuse_write_under_no_grad(write: str) -> None:
         "out of place with grad on (for the Gaussian NLL: var = var.clamp(min=eps), then 0.5 * (var.log() + (input - "
         "target) ** 2 / var)), or train this model with torch"
     )
-
-
-def _changes_in_place(func) -> bool:
-    """``Tensor.add_``, ``Tensor.__iadd__``, ``Tensor.__setitem__`` and the like."""
-    name = getattr(func, "__name__", "")
-    return name == "__setitem__" or name.startswith("__i") or (name.endswith("_") and not name.endswith("__"))
 
 
 def _dynamic_axes(entries):

@@ -1,6 +1,7 @@
 """Graph outputs the trainer finishes with torch: the new running statistics of every training-mode
-BatchNormalization (the trainer corrects the variance to torch's unbiased one), and the gradients of the rows an
-embedding lookup read with their indices (the trainer scatter-adds them into the weight's gradient)."""
+BatchNormalization (the trainer corrects the variance to torch's unbiased one), the new values of the buffers a
+training forward writes in place (``WRITTEN_PREFIX``: the trainer copies them into the buffers), and the gradients
+of the rows an embedding lookup read with their indices (the trainer scatter-adds them into the weight's gradient)."""
 
 import copy
 from dataclasses import dataclass
@@ -15,6 +16,17 @@ from .graph_errors import GradientBuildError, describe_node
 def batch_norm_statistics(model: onnx.ModelProto) -> set:
     """Names of the running mean/var inputs of BatchNormalization nodes (buffers, not weights)."""
     return {name for node in model.graph.node if node.op_type == "BatchNormalization" for name in node.input[3:5]}
+
+
+# A graph output holding the value a training forward leaves in a buffer it writes in place (a step counter, an
+# exponential moving average, spectral_norm's u and v): WRITTEN_PREFIX + the buffer's state_dict key.
+WRITTEN_PREFIX = "orttrainer.written."
+
+
+def written_buffers(model: onnx.ModelProto) -> dict:
+    """{buffer name: graph output} of the buffers the graph's forward writes (``WRITTEN_PREFIX``)."""
+    return {output.name[len(WRITTEN_PREFIX) :]: output.name for output in model.graph.output
+            if output.name.startswith(WRITTEN_PREFIX)}  # fmt: skip
 
 
 @dataclass

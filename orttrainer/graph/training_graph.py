@@ -5,7 +5,8 @@ This is the only module that touches onnxruntime-training internals
 changes one file.
 
 Training graph outputs, in order: the model_desc outputs, the new running statistics
-of every BatchNormalization (``running_statistics``), then ``<weight>_grad`` for every
+of every BatchNormalization (``running_statistics``), the new values of the buffers forward writes
+(``outputs_for_trainer.WRITTEN_PREFIX``), then ``<weight>_grad`` for every
 trainable weight (``gradient_outputs``). Weights are graph inputs in both graphs, so both
 sessions read the same torch memory.
 """
@@ -22,13 +23,13 @@ from onnxruntime.capi._pybind_state import GradientGraphBuilder, get_optimized_m
 
 from . import cpu_kernels, defined_gradients, rewrites
 from .dropout import drop_zero_dropouts, dropout_ratio_times_input
-from .eval_graph import set_inference_mode
+from .eval_graph import set_inference_mode, take_branches
 from .float16 import float32_gradient_kernels, scale_loss, to_mixed_precision
 from .graph_edits import (
     drop_trailing_empty_inputs, name_unnamed_nodes, node_inputs, remove_unused, sort_topologically, with_ir_version,
 )
 from .graph_errors import GradientBuildError, describe_node, module_path, node_error
-from .outputs_for_trainer import expose_running_statistics, split_embedding_lookups
+from .outputs_for_trainer import expose_running_statistics, split_embedding_lookups, written_buffers
 from .tensor_facts import TensorFacts, infer_tensor_facts
 from ..runtime import torch_ctc, torch_recurrent
 
@@ -335,6 +336,7 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     rewrites.explicit_convolution_pads(model)
     eval_model = copy.deepcopy(model)
     set_inference_mode(eval_model)
+    take_branches(model, training=True)
     if mixed_precision:
         eval_model = to_mixed_precision(eval_model, [loss_name])
 
@@ -386,7 +388,9 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
         for graph_model in (train_model, eval_model):
             cpu_kernels.use_fast_cpu_kernels(graph_model, keep_for_torch, model)
             cpu_kernels.use_exact_cpu_kernels(graph_model, keep_for_torch)
-    gradient_outputs = _order_outputs(train_model, trainable, graph_trainable, output_names, running_statistics, embeddings)
+    written = list(written_buffers(forward).values())
+    gradient_outputs = _order_outputs(train_model, trainable, graph_trainable, output_names, running_statistics, written,
+                                      embeddings)  # fmt: skip
     return TrainingGraphs(with_ir_version(train_model), eval_model, gradient_outputs, running_statistics, embeddings)
 
 
@@ -459,7 +463,7 @@ def drop_empty_broadcast_reductions(model: onnx.ModelProto, forward: onnx.ModelP
     remove_unused(model.graph)
 
 
-def _order_outputs(train_model, trainable, graph_trainable, output_names, running_statistics, embeddings) -> dict:
+def _order_outputs(train_model, trainable, graph_trainable, output_names, running_statistics, written, embeddings) -> dict:
     """Put the training graph's outputs in the documented order (module docstring); return
     {weight: gradient output}. Every trainable weight must have its gradient (or embedding rows)."""
     gradient_outputs = {name: f"{name}_grad" for name in graph_trainable}
@@ -471,7 +475,7 @@ def _order_outputs(train_model, trainable, graph_trainable, output_names, runnin
         raise GradientBuildError(f"the gradient graph has no output for {missing}: these weights do not reach the loss")
     stat_outputs = [name for stats in running_statistics for name in (stats.mean_output, stats.var_output, stats.count_output)]
     embedding_outputs = [name for e in embeddings for name in (e.rows_gradient, e.indices_output)]
-    ordered = list(output_names) + stat_outputs + list(gradient_outputs.values()) + embedding_outputs
+    ordered = list(output_names) + stat_outputs + list(written) + list(gradient_outputs.values()) + embedding_outputs
     del train_model.graph.output[:]
     train_model.graph.output.extend(
         by_name[name] if name in by_name else helper.make_empty_tensor_value_info(name) for name in ordered

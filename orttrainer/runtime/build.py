@@ -10,8 +10,8 @@ module gets one graph per batch shape signature where its trace needs it (graph_
 The forward graph's shape inference (tensor_facts.TensorFacts) is done once per build and handed
 to each pass that reads it.
 
-The :class:`Runtime` holds what a step uses: the sessions, weights, BatchNorm statistics,
-embedding lookups, the dropout and loss-scale inputs, the typed model_desc, the forward graph,
+The :class:`Runtime` holds what a step uses: the sessions, weights, BatchNorm statistics, the buffers
+forward writes, embedding lookups, the dropout and loss-scale inputs, the typed model_desc, the forward graph,
 the torch state that is not in the graph, and the checks every batch must pass.
 """
 
@@ -38,7 +38,8 @@ class Runtime:
     """What a build leaves for the steps: sessions bound to the weights, and what a run needs.
 
     ``from_torch`` also fills ``aliases`` (tied weights: {alias: first name}), ``unexported_state``
-    and ``batch_counters`` (torch state the graph does not hold), ``reference`` (a verify.Reference,
+    and ``batch_counters`` (torch state the graph does not hold), ``written_buffers`` (the buffers the training
+    graph writes, ``_WrittenBuffer``), ``reference`` (a verify.Reference,
     for the first-step check against torch), ``eval_reference`` (a verify.ModuleCall, for the first
     eval_step's) and ``export_sample`` (the batch and torch's outputs, for debug.check_model_export).
     Runtimes of one trainer share ``weights``, these, ``owned`` and ``scales``.
@@ -72,6 +73,7 @@ class Runtime:
         embedding_outputs = [name for e in self.embeddings for name in (e.rows_gradient, e.indices_output)]
         self.train_session.allocate_outputs([entry.name for entry in model_desc.outputs] + embedding_outputs)
         self.aliases, self.unexported_state, self.batch_counters = {}, {}, {}
+        self.written_buffers = []
         self.reference = self.eval_reference = self.export_sample = self.index_ranges = None
         self.empty_inputs = []
 
@@ -83,36 +85,44 @@ class Runtime:
             if entry.name in bound.input_names:
                 bound.bind_input(entry.name, tensor)
 
+    @property
+    def buffer_writes(self) -> list:
+        """What a training step writes into buffers: every BatchNorm's statistics (``_BatchNormStatistics``) and the
+        buffers forward writes (``_WrittenBuffer``), each with ``names``, ``tensors``, ``save_old``, ``restore_old``
+        and ``update``."""
+        return [*self.batch_norms, *self.written_buffers]
+
     def run_training(self):
-        """Run the training graph once: (model_desc outputs, embedding outputs). BatchNorm statistics
-        are left as ONNX Runtime wrote them (``update_batch_norms`` makes them torch's), or as they
-        were when the run failed or had one value per channel."""
-        for batch_norm in self.batch_norms:
-            batch_norm.save_old()
+        """Run the training graph once: (model_desc outputs, embedding outputs). The buffers a step writes are left
+        as they were before the run (``update_buffers`` writes torch's values), or as they were when the run failed
+        or had one value per channel."""
+        for write in self.buffer_writes:
+            write.save_old()
         try:
             outputs = self.train_session.run()
         except RuntimeError as error:
-            self.restore_batch_norms()
+            self.restore_buffers()
             raise graph_errors.run_error(error, self.empty_inputs) from error
         _check_values_per_channel(self.batch_norms)
         count = len(self.model_desc.outputs)
         return outputs[:count], outputs[count:]
 
-    def update_batch_norms(self) -> None:
-        for batch_norm in self.batch_norms:
-            batch_norm.update()
+    def update_buffers(self) -> None:
+        """Write the run's new values into the buffers, as torch's forward leaves them."""
+        for write in self.buffer_writes:
+            write.update()
 
-    def restore_batch_norms(self) -> None:
-        for batch_norm in self.batch_norms:
-            batch_norm.restore_old()
+    def restore_buffers(self) -> None:
+        for write in self.buffer_writes:
+            write.restore_old()
 
-    def batch_norm_tensors(self) -> list:
-        return [tensor for batch_norm in self.batch_norms for tensor in (batch_norm.mean, batch_norm.var)]
+    def buffer_tensors(self) -> list:
+        return [tensor for write in self.buffer_writes for tensor in write.tensors]
 
-    def batch_norm_copies(self) -> dict:
-        """{running-stat name: CPU copy} of every BatchNorm's statistics."""
+    def buffer_copies(self) -> dict:
+        """{buffer name: CPU copy} of every buffer a step writes."""
         return {name: tensor.detach().cpu().clone()
-                for bn in self.batch_norms for name, tensor in zip(bn.names, (bn.mean, bn.var))}  # fmt: skip
+                for write in self.buffer_writes for name, tensor in zip(write.names, write.tensors)}  # fmt: skip
 
     def run_eval(self, inputs, requested):
         self.bind_batch(self.eval_session, inputs)
@@ -275,6 +285,8 @@ def from_torch(source, exported, device, providers, data_parallel=None, shared=N
         runtime.weights, runtime.owned = shared.weights, shared.owned
         runtime.aliases, runtime.unexported_state = shared.aliases, shared.unexported_state
         runtime.batch_counters = shared.batch_counters
+    runtime.written_buffers = [_WrittenBuffer(name, output, exported.state[name], runtime.train_session)
+                               for name, output in outputs_for_trainer.written_buffers(onnx_model).items()]  # fmt: skip
     if reference is not None and shared is None and data_parallel is not None:  # rank 0's weights, after torch's step
         reference.weights_written = True
     runtime.reference = reference  # the first train_step on this graph checks against it
@@ -658,9 +670,33 @@ class _BatchNormStatistics:
         self.mean.copy_(self.old_mean)
         self.var.copy_(self.old_var)
 
+    @property
+    def tensors(self) -> tuple:
+        return self.mean, self.var
+
     def update(self):
         self.mean.copy_(self.new_mean)
         self.var.copy_(self.new_var + (self.new_var - self.momentum * self.old_var) / (self.count - 1))
+
+
+class _WrittenBuffer:
+    """Carries the value a training forward leaves in a buffer it writes in place (the graph's output ``output``,
+    outputs_for_trainer.WRITTEN_PREFIX) into the module's buffer ``tensor`` after the run. The old value is kept
+    for ``restore_old``, which undoes a step (the first-step check's run)."""
+
+    def __init__(self, name: str, output: str, tensor: torch.Tensor, bound_session):
+        self.names, self.tensors = (name,), (tensor,)
+        self.new, self.old = torch.empty_like(tensor), torch.empty_like(tensor)
+        bound_session.bind_output(output, self.new)
+
+    def save_old(self):
+        self.old.copy_(self.tensors[0])
+
+    def restore_old(self):
+        self.tensors[0].copy_(self.old)
+
+    def update(self):
+        self.tensors[0].copy_(self.new)
 
 
 def _check_values_per_channel(batch_norms) -> None:

@@ -1,5 +1,6 @@
 """Indexing: advanced indexing and index_put, scatters that add (index_add, scatter_add, accumulate=True),
-embeddings and embedding bags, splits, repeat_interleave, one_hot, diagonals, channel shuffles."""
+embeddings and embedding bags, splits, repeat_interleave, one_hot, diagonals, channel shuffles, a real matrix's
+conjugate transpose."""
 
 import numpy as np
 import onnx
@@ -310,8 +311,17 @@ def _accumulated(g, self, indices, values):
     return g.op("ScatterND", self, placed.node().inputsAt(1), placed.node().inputsAt(2), reduction_s="add")
 
 
+def matrix_H(g, x):
+    """``x.H`` (``x.mH``) of a real matrix (a batch of them): its transpose over the last two dimensions, which torch's
+    exporter has no form for (spectral_norm's power iteration reads weight_mat.H). ONNX holds no complex tensors."""
+    rank = symbolic_helper._get_tensor_rank(x)
+    return g.op("Transpose", x, perm_i=[*range(rank - 2), rank - 1, rank - 2])
+
+
 SYMBOLICS = {
     "index": index,
+    "matrix_H": matrix_H,
+    "mH": matrix_H,
     "index_put": index_put,
     "index_add": index_add,
     "scatter_add": scatter_add,

@@ -1,5 +1,6 @@
 """Reductions over an axis: max/min and their indices at NaN, p-norms, variance and standard deviation, distances
-(cdist, pairwise_distance, cosine_similarity), sorting and top-k with NaN, cumulative sums and differences."""
+(cdist, pairwise_distance, cosine_similarity, vdot), sorting and top-k with NaN, cumulative sums and products, and
+differences."""
 
 import numpy as np
 import onnx
@@ -255,6 +256,21 @@ def cumsum(g, x, dim, dtype=None):
     return g.op("CumSum", x, _ExportGraph(g).const(dim, np.int64))
 
 
+def dot(g, x, y):
+    """torch.dot and torch.vdot of real vectors (spectral_norm's sigma): the sum of their products. torch's exporter
+    has no form for vdot and writes dot as a MatMul of two vectors, whose gradient onnxruntime-training cannot
+    build. ONNX holds no complex tensors, whose first factor vdot conjugates."""
+    return g.op("ReduceSum", g.op("Mul", x, y), _ExportGraph(g).const([0], np.int64), keepdims_i=0)
+
+
+def mv(g, matrix, vector):
+    """torch.mv as a MatMul of the matrix and the vector as one column: onnxruntime-training cannot build the
+    gradient of a MatMul of a matrix and a vector (spectral_norm's power iteration and sigma)."""
+    build = _ExportGraph(g)
+    column = g.op("Unsqueeze", vector, build.const([1], np.int64))
+    return g.op("Squeeze", g.op("MatMul", matrix, column), build.const([1], np.int64))
+
+
 @symbolic_helper.parse_args("v", "i", "i", "v", "v")
 def diff(g, x, n, dim, prepend, append):
     """torch.diff, which the exporter refuses (transformers' packed-sequence check runs it on position ids):
@@ -315,6 +331,9 @@ SYMBOLICS = {
     "topk": topk,
     "diff": diff,
     "cumsum": cumsum,
+    "dot": dot,
+    "vdot": dot,
+    "mv": mv,
     "pairwise_distance": pairwise_distance,
     "cosine_similarity": cosine_similarity,
     "max": _extreme("ReduceMax", symbolic_helper._max_helper),

@@ -1,0 +1,103 @@
+"""What a training forward writes besides its outputs trains as torch: buffers written in place (a step counter, an
+exponential moving average as VQ-VAE-2's EMA codebook keeps), spectral_norm's power iteration, InstanceNorm's running
+statistics; and torch.cumprod, value and gradient. Each against a plain torch loop and its float64 copy, every
+state_dict key after every step."""
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from parity import assert_state_within_float32_error, assert_within_float32_error, cpu_options, run_parity
+
+from orttrainer import ORTTrainer, optim
+from orttrainer.export.refusals import ExportError
+
+LR = 0.1
+
+
+def sgd(parameters):
+    return torch.optim.SGD(parameters, lr=LR)
+
+
+def pairs(count, *shapes, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randn(*shape, generator=generator) for shape in shapes) for _ in range(count)]
+
+
+def train_like_torch(model, batches, options=None):
+    """run_parity against torch SGD and its float64 copy: (trainer, reference, reference64)."""
+    return run_parity(model, batches, optim.SGDConfig(lr=LR), sgd, loss_fn=F.mse_loss, options=options, float64=True)
+
+
+def assert_eval_like_torch(trainer, reference, reference64, batch):
+    """eval_step's outputs are the module's in eval mode, and it writes no buffer (as torch's eval forward)."""
+    before = {name: tensor.clone() for name, tensor in trainer.state_dict(pytorch_format=True).items()}
+    reference.eval(), reference64.eval()
+    with torch.no_grad():
+        expected, expected64 = reference(batch[0]), reference64(batch[0].double())
+    assert_within_float32_error(trainer.eval_step(*batch)[1], expected, expected64, "eval_step")
+    for name, tensor in trainer.state_dict(pytorch_format=True).items():
+        torch.testing.assert_close(tensor, before[name], rtol=0, atol=0, msg=lambda m: f"'{name}' after eval_step: {m}")
+
+
+# ------------------------------------------------------------------ buffers written in place
+class RunningState(nn.Module):
+    """A step counter (``self.steps += 1``) and an exponential moving average of the features updated under no_grad
+    (``ema.mul_(d).add_(h.mean(0), alpha=1 - d)``, VQ-VAE-2's EMA codebook), both in training only; the output reads
+    the average after its update, so a graph that kept the first step's would differ from the second step on."""
+
+    def __init__(self, decay=0.9):
+        super().__init__()
+        self.encode, self.decode, self.decay = nn.Linear(4, 8), nn.Linear(8, 4), decay
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x):
+        h = torch.tanh(self.encode(x))
+        if self.training:
+            self.steps += 1
+            with torch.no_grad():
+                self.ema.mul_(self.decay).add_(h.mean(0), alpha=1 - self.decay)
+        return self.decode(h - self.ema)
+
+
+def test_a_counter_and_a_moving_average_written_in_forward_train_and_evaluate_as_torch():
+    torch.manual_seed(0)
+    model = RunningState()
+    batches = pairs(4, (5, 4), (5, 4))
+    trainer, reference, reference64 = train_like_torch(model, batches)
+    state = trainer.state_dict(pytorch_format=True)
+    assert int(state["steps"]) == 4
+    assert int(model.steps) == 4 and torch.equal(model.ema, state["ema"])  # the user's module holds the trained buffers
+    assert_eval_like_torch(trainer, reference, reference64, batches[0])
+
+
+@pytest.mark.parametrize("style", ["parametrization", "hook"])
+def test_spectral_norm_trains_and_evaluates_as_torch(style):
+    """Its power iteration writes u (and v) in training forward; eval mode reads them unchanged."""
+    from torch.nn.utils import parametrizations, spectral_norm
+
+    normalize = parametrizations.spectral_norm if style == "parametrization" else spectral_norm
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), normalize(nn.Linear(8, 4)))
+    batches = pairs(4, (5, 4), (5, 4))
+    trainer, reference, reference64 = train_like_torch(model, batches)
+    assert_eval_like_torch(trainer, reference, reference64, batches[0])
+
+
+@pytest.mark.parametrize("dims", [1, 2])
+def test_instance_norm_with_running_statistics_trains_and_evaluates_as_torch(dims):
+    """track_running_stats=True: each training forward moves running_mean and running_var (torch's instance_norm:
+    each instance's momentum step, averaged over the batch); eval mode normalizes by them."""
+    convolution, norm = (nn.Conv1d, nn.InstanceNorm1d) if dims == 1 else (nn.Conv2d, nn.InstanceNorm2d)
+    torch.manual_seed(0)
+    model = nn.Sequential(convolution(2, 3, 3), norm(3, affine=True, track_running_stats=True, momentum=0.3),
+                          nn.Flatten())  # fmt: skip
+    shape = (4, 2) + (6,) * dims
+    out = 3 * 4**dims
+    batches = pairs(4, shape, (4, out))
+    trainer, reference, reference64 = train_like_torch(model, batches)
+    assert_eval_like_torch(trainer, reference, reference64, batches[0])
