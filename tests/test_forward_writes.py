@@ -101,3 +101,66 @@ def test_instance_norm_with_running_statistics_trains_and_evaluates_as_torch(dim
     batches = pairs(4, shape, (4, out))
     trainer, reference, reference64 = train_like_torch(model, batches)
     assert_eval_like_torch(trainer, reference, reference64, batches[0])
+
+
+# ------------------------------------------------------------------ torch.cumprod
+class ScaledProducts(nn.Module):
+    """torch.cumprod of the input times a weight of its shape: each element's gradient is the weight's."""
+
+    def __init__(self, shape, dim):
+        super().__init__()
+        self.scale, self.dim = nn.Parameter(torch.ones(shape)), dim
+
+    def forward(self, x):
+        return torch.cumprod(x * self.scale, self.dim)
+
+
+def _products_loss(output, target):
+    return (output * target).sum()
+
+
+ROWS = {  # each row's products along the last dimension, the tricky values for the gradient
+    "one zero": [2.0, 0.0, 3.0, -1.5, 5.0],
+    "two zeros": [0.5, 0.0, 3.0, 0.0, 2.0],
+    "zero first": [0.0, 4.0, -2.0, 0.5, 3.0],
+    "negative zero": [1.5, -0.0, 2.0, -3.0, 1.0],
+    "tiny and huge": [1e-30, 1e30, -1e-20, 1e20, 7.0],
+    "overflow": [1e20, 1e20, 1e-5, 2.0, 0.0],
+    "infinity": [2.0, float("inf"), 0.5, -1.0, 3.0],
+    "infinity and zero": [float("inf"), 0.0, 2.0, 1.0, 1.0],
+    "nan": [1.0, float("nan"), 2.0, 0.0, 1.0],
+}
+
+
+# the gradient through the products differs from torch's cumprod_backward where an infinity or NaN meets the others
+_DIFFERS_AT = pytest.mark.xfail(strict=True, reason="gradient at inf/NaN differs from torch's cumprod_backward (open)")
+
+
+@pytest.mark.parametrize("row", [pytest.param(row, marks=_DIFFERS_AT) if "inf" in row or "nan" in row else row
+                                 for row in ROWS], ids=list(ROWS))  # fmt: skip
+def test_cumprod_value_and_gradient_at_boundary_values(row):
+    """One SGD step: the loss (the products), and the weight after it (each element's gradient), within float32
+    torch's distance from float64 torch, NaN and infinities where torch has them."""
+    x = torch.tensor([ROWS[row], [1.0, 2.0, 3.0, 4.0, 5.0]])
+    target = torch.linspace(-1.0, 1.0, 10).reshape(2, 5)
+    train_like_products(ScaledProducts((2, 5), -1), [(x, target)])
+
+
+def train_like_products(model, batches):
+    return run_parity(model, batches, optim.SGDConfig(lr=LR), sgd, loss_fn=_products_loss, float64=True)
+
+
+@pytest.mark.parametrize("shape, dim", [((2, 1, 3), 1), ((2, 3, 4), -2), ((2, 4), 1)],
+                         ids=["size-1", "negative-dim", "several-steps"])  # fmt: skip
+def test_cumprod_trains_as_torch_along_any_fixed_dimension(shape, dim):
+    torch.manual_seed(0)
+    batches = [(x.relu(), target) for x, target in pairs(3, shape, shape)]  # zeros among the values
+    train_like_products(ScaledProducts(shape, dim), batches)
+
+
+def test_cumprod_along_the_batch_dimension_is_refused_naming_the_module():
+    """The scan is written for a fixed size; the batch's changes with the batch (an inferred model_desc)."""
+    trainer = ORTTrainer(ScaledProducts((3, 4), 0), None, optim.SGDConfig(lr=LR), loss_fn=_products_loss,
+                         options=cpu_options())  # fmt: skip
+    with pytest.raises(ExportError, match=r"torch.cumprod in module .* along dimension 0, whose size changes with the batch"):
+        trainer.train_step(torch.randn(3, 4), torch.randn(3, 4))

@@ -256,6 +256,33 @@ def cumsum(g, x, dim, dtype=None):
     return g.op("CumSum", x, _ExportGraph(g).const(dim, np.int64))
 
 
+@symbolic_helper.parse_args("v", "i", "v")
+def cumprod(g, x, dim, dtype=None):
+    """torch.cumprod along a dimension of fixed size, which torch's exporter has no form for: a scan of products
+    (``rewrites.inclusive_scan``), in float64 for floating types as torch's CPU kernel accumulates and rounded once,
+    in int64 for bool and integers (torch's promotion). Each output is the product of exactly the inputs torch's is;
+    its gradient, through the products, is the product of the others, also at a zero (torch's cumprod_backward),
+    where one divided by the input would be NaN. ``dtype`` casts first, as torch does."""
+    if not symbolic_helper._is_none(dtype):
+        x = g.op("Cast", x, to_i=_type_utils.JitScalarType(symbolic_helper._get_const(dtype, "i", "dtype")).onnx_type())
+    elif _type_utils.JitScalarType.from_value(x) in _INTEGRAL_TYPES:
+        x = g.op("Cast", x, to_i=onnx.TensorProto.INT64)
+    rank = symbolic_helper._get_tensor_rank(x)
+    if not rank:  # a 0-d tensor is its own product
+        return g.op("Identity", x)
+    axis = dim % rank
+    length = symbolic_helper._get_tensor_dim_size(x, axis)
+    if length is None:
+        raise ValueError(f"torch.cumprod in module '{_module_scope(g)}' along dimension {dim}, whose size changes with "
+                         "the batch: orttrainer writes it for a fixed size; cumulate along a dimension of fixed size, "
+                         "or pad that dimension to one size")  # fmt: skip
+    if not symbolic_helper._is_fp(x):
+        return rewrites.inclusive_scan(_ExportGraph(g), x, axis, rank, length, "Mul", np.int64)
+    wide = g.op("Cast", x, to_i=onnx.TensorProto.DOUBLE)
+    products = rewrites.inclusive_scan(_ExportGraph(g), wide, axis, rank, length, "Mul", np.float64)
+    return g.op("Cast", products, to_i=_type_utils.JitScalarType.from_value(x).onnx_type())
+
+
 def dot(g, x, y):
     """torch.dot and torch.vdot of real vectors (spectral_norm's sigma): the sum of their products. torch's exporter
     has no form for vdot and writes dot as a MatMul of two vectors, whose gradient onnxruntime-training cannot
@@ -331,6 +358,7 @@ SYMBOLICS = {
     "topk": topk,
     "diff": diff,
     "cumsum": cumsum,
+    "cumprod": cumprod,
     "dot": dot,
     "vdot": dot,
     "mv": mv,

@@ -44,7 +44,7 @@ from .convolutions import explicit_convolution_pads, grouped_convolutions
 from .folding import fold_static_sizes
 from .normalization import batch_statistics_batch_norm
 from .pooling import torch_pools
-from .reductions import first_extreme, first_extreme_index
+from .reductions import first_extreme, first_extreme_index, inclusive_scan
 from .shapes import copy_with_inputs_for, shapes_in, static_shapes, structure_for_inference, symbolic_shapes
 from .table import rewrite_for_training
 
@@ -63,6 +63,7 @@ __all__ = [
     "first_extreme_index",
     "fold_static_sizes",
     "grouped_convolutions",
+    "inclusive_scan",
     "is_negative_zero",
     "is_torch_hard_sigmoid",
     "log1p",

@@ -1,4 +1,5 @@
-"""Reductions: ReduceLogSumExp and ReduceL2 kept from an opset-11 gradient, CumSum as an exact float64 scan,
+"""Reductions: ReduceLogSumExp and ReduceL2 kept from an opset-11 gradient, CumSum as an exact float64 scan (the scan
+serves torch.cumprod's symbolic too),
 ReduceMax/ReduceMin with torch.amax/amin's gradient and NaN handling, ``first_extreme`` for torch.max(x, dim)
 (which symbolics/ exports with it), the other Reduce ops and the variadic Sum and Mean as ops with gradient
 builders. One family because each reduces over axes read the same way (``NodeBuilder.reduce_axes``).
@@ -22,21 +23,35 @@ def reduce_keeping_dims(build):
     build.squeeze(build.reduce(build.node.op_type, x, axes, 1), axes, node_output(build))
 
 
-def _shifted(build, x, axis, rank, length, shift, reverse):
-    """x moved ``shift`` places along ``axis``, towards its end (its start if ``reverse``), zeros coming in."""
+_IDENTITIES = {"Add": 0.0, "Mul": 1.0}  # what a scan of the op lets in at the edge (``inclusive_scan``)
+
+
+def _shifted(build, x, axis, rank, length, shift, reverse, fill=0.0):
+    """x moved ``shift`` places along ``axis``, towards its end (its start if ``reverse``), ``fill`` coming in (a
+    constant of x's type)."""
     bounds = ([shift], [length]) if reverse else ([0], [length - shift])
     kept = build.op("Slice", [x, *(build.const(bound, np.int64) for bound in bounds), build.const([axis], np.int64)])
     pads = [0] * (2 * rank)
     pads[axis + (rank if reverse else 0)] = shift
-    return build.op("Pad", [kept, build.const(pads, np.int64)])
+    return build.op("Pad", [kept, build.const(pads, np.int64), fill])
+
+
+def inclusive_scan(build, x, axis: int, rank: int, length: int, op_type: str, dtype, reverse=False):
+    """The running sum (``op_type`` Add) or product (Mul) of x (of numpy ``dtype``) along ``axis`` of static
+    ``length``: x combined with
+    itself shifted by 1, 2, 4, ... (ceil(log2 n) steps). Each output combines exactly the inputs up to it, once each,
+    so an inf or NaN reaches only the positions after it (a triangular MatMul multiplied every input by 0 or 1, and
+    inf * 0 = NaN), and a product's gradient is the product of the others, without a division by a zero."""
+    fill = build.const(_IDENTITIES[op_type], dtype)
+    for step in range(max(length - 1, 0).bit_length()):
+        x = build.op(op_type, [x, _shifted(build, x, axis, rank, length, 1 << step, reverse, fill)])
+    return x
 
 
 def cumsum(build):
-    """CumSum along a static axis as a scan in float64: y += y shifted by 1, 2, 4, ... (ceil(log2 n) steps).
+    """CumSum along a static axis as an exact scan in float64 (``inclusive_scan``).
 
-    Each output sums exactly the inputs torch's does, so an inf or NaN reaches only the
-    positions after it (a triangular MatMul multiplied every input by 0 or 1, and inf * 0 =
-    NaN). torch accumulates a float32 cumsum in float64 on the CPU (1e8 + 1 - 1e8 = 1), so
+    torch accumulates a float32 cumsum in float64 on the CPU (1e8 + 1 - 1e8 = 1), so
     the scan runs in float64 too and rounds once.
     """
     if build.opset < 11:
@@ -52,9 +67,8 @@ def cumsum(build):
     reverse = build.attribute("reverse", 0)
     total = build.op("Cast", [x], to=onnx.TensorProto.DOUBLE)
     if build.attribute("exclusive", 0):
-        total = _shifted(build, total, axis, rank, length, 1, reverse)
-    for step in range(max(length - 1, 0).bit_length()):
-        total = build.op("Add", [total, _shifted(build, total, axis, rank, length, 1 << step, reverse)])
+        total = _shifted(build, total, axis, rank, length, 1, reverse, build.const(0.0, np.float64))
+    total = inclusive_scan(build, total, axis, rank, length, "Add", np.float64, reverse)
     build.op("Cast", [total], node_output(build), to=onnx.TensorProto.FLOAT)  # rewrites run before any float16 conversion
 
 
