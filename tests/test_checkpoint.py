@@ -169,6 +169,8 @@ def test_existing_file_is_not_overwritten_unless_asked(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert path.stat().st_mode & 0o777 == 0o666 & ~umask, "permissions follow the umask like any new file"
+    with pytest.raises(ValueError, match=r"checkpoint.load\(key='train_step_info', lazily=True\): lazily opens the whole"):
+        checkpoint.load(path, key="train_step_info", lazily=True)  # a key it would ignore
 
 
 @pytest.mark.parametrize("damage", ["truncated", "not_hdf5", "foreign", "missing"])

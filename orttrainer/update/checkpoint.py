@@ -235,6 +235,9 @@ def load(path, key=None, lazily=False):
     A missing file, a file that is not HDF5, a truncated one or data that does not match its
     checksum raises a clear error; nothing is returned half-read.
     """
+    if lazily and key is not None:
+        raise ValueError(f"checkpoint.load(key={key!r}, lazily=True): lazily opens the whole file (the groups a trainer "
+                         "loads); pass key=None, or lazily=False to read the entry at key")
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint {path} does not exist")
