@@ -307,9 +307,9 @@ def _hf_trainer(contender, dataset, result, directory):
                                                seed=0, save_strategy="no", disable_tqdm=True, use_cpu=True)  # fmt: skip
     trainer = Recording(model=model, args=arguments, train_dataset=rows, data_collator=collate)
     result["train_loss"] = trainer.train().training_loss
-    runner = getattr(trainer, "_graph_runner", None)  # orttrainer.hf.Trainer's ORTTrainer (private, as graphs_built)
+    runner = getattr(trainer, "_graph_runner", None)  # orttrainer.hf.Trainer's GradientSource (private, as graphs_built)
     if runner is not None:
-        result["graphs_built"] = graphs_built(runner)
+        result["graphs_built"] = graphs_built(runner._trainer)
 
 
 def child(row, contender, quick):

@@ -15,9 +15,7 @@ Needs ``pip install 'orttrainer[hf]'`` (transformers and accelerate); the core p
 import torch
 import transformers
 
-from .api import options as _options
-from .trainer import ORTTrainer
-from .optim.config import SGDConfig
+from .trainer import GradientSource
 
 
 class Trainer(transformers.Trainer):
@@ -28,7 +26,7 @@ class Trainer(transformers.Trainer):
         refused = _refusals(self)
         if refused:
             raise ValueError(f"orttrainer.hf.Trainer cannot honour {'; '.join(refused)}")
-        self._graph_runner = None  # the ORTTrainer, made at the first training step (the model is on its device then)
+        self._graph_runner = None  # a GradientSource, made at the first training step (the model is on its device then)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """``Trainer.compute_loss`` with the model's forward and backward in ONNX Runtime when training (grad mode
@@ -41,29 +39,23 @@ class Trainer(transformers.Trainer):
         """The model's outputs for ``inputs`` from orttrainer's training graph, with a ``loss`` whose backward
         passes the graph's gradients of it to the parameters."""
         runner = self._runner()
-        outputs, _, _ = runner._forward_backward((), inputs)
-        gradients = runner._gradients
-        if runner._data_parallel is not None:  # as DistributedDataParallel: the mean of the ranks' gradients
-            gradients.reduce_over_ranks(runner._data_parallel)
-            torch._foreach_div_(gradients.all, float(runner._world.size))
+        outputs, gradients = runner.forward_backward(inputs)
         parameters = dict(self.model.named_parameters(remove_duplicate=False))
-        trained = [parameters[name] for name in gradients.sums]
-        run = runner._train_step_info.step
+        trained = [parameters[name] for name in gradients]
         loss_at = "loss" if isinstance(outputs, dict) else 0  # a ModelOutput, or a tuple (return_dict=False): loss first
-        loss = _GraphLoss.apply(outputs[loss_at], (runner, run, list(gradients.sums.values())), *trained)
+        loss = _GraphLoss.apply(outputs[loss_at], (runner, runner.runs, list(gradients.values())), *trained)
         if isinstance(outputs, dict):
             outputs["loss"] = loss
             return outputs
         return (loss, *outputs[1:])
 
-    def _runner(self) -> ORTTrainer:
-        """The ORTTrainer over ``self.model``: no update of its own (``Trainer``'s optimizer makes it), one graph
-        run per micro-batch (``Trainer`` accumulates in ``.grad``), dropout seeded by the micro-batch's count as an
-        uninterrupted run would have it, so that a resumed run draws the same masks."""
+    def _runner(self) -> GradientSource:
+        """orttrainer's forward and backward over ``self.model``: no update of its own (``Trainer``'s optimizer makes
+        it), one graph run per micro-batch (``Trainer`` accumulates in ``.grad``), dropout seeded by the micro-batch's
+        count as an uninterrupted run would have it, so that a resumed run draws the same masks."""
         if self._graph_runner is None:
-            options = _options.ORTTrainerOptions({"device": {"id": str(self.args.device)}})
-            self._graph_runner = ORTTrainer(self.model, None, SGDConfig(lr=0.0), options=options)
-            self._graph_runner._train_step_info.step = self.state.global_step * self.args.gradient_accumulation_steps
+            runs_before = self.state.global_step * self.args.gradient_accumulation_steps
+            self._graph_runner = GradientSource(self.model, str(self.args.device), runs_before)
         return self._graph_runner
 
 
@@ -78,8 +70,8 @@ class _GraphLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        runner, step, gradients = ctx.run
-        if runner._train_step_info.step != step:
+        runner, run, gradients = ctx.run
+        if runner.runs != run:
             raise RuntimeError(
                 "backward() of an orttrainer.hf.Trainer loss after a later training forward: its gradients were in "
                 "buffers that forward overwrote. Call backward on each loss before computing the next one"

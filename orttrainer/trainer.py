@@ -28,6 +28,7 @@ from .api.model_desc import _ORTTrainerModelDesc, match_inputs
 from .api.model_outputs import packed_outputs, requested_outputs, selected_outputs
 from .export.module_edits import module_as_built, refuse_module_changes, refuse_setting_changes
 from .optim import _update
+from .optim.config import SGDConfig
 from .update.step_info import TrainStepInfo
 from .api.trainer_arguments import check_trainer_arguments
 from .api.options import ORTTrainerOptions, check_implemented, own_copy, settings_read_once
@@ -455,3 +456,30 @@ class ORTTrainer:
                 "(e.g. trainer.eval_step(*batch) right after load_checkpoint) before saving"
             )
         onnx_file.save(self._runtime.inference_model(with_loss), self._runtime.weights, path, external_data)
+
+
+class GradientSource:
+    """An ORTTrainer's forward and backward without its update, for a loop whose own optimizer updates
+    (``orttrainer.hf.Trainer``): each run's outputs and the gradients of the trained weights, the mean over the
+    ranks as DistributedDataParallel's, in buffers the next run overwrites."""
+
+    def __init__(self, model, device_id: str, runs_before: int = 0):
+        """``runs_before``: the runs an uninterrupted job would have taken before this one's first (a resumed
+        job's), which seed dropout as they would have."""
+        self._trainer = ORTTrainer(model, None, SGDConfig(lr=0.0), options=ORTTrainerOptions({"device": {"id": device_id}}))
+        self._trainer._train_step_info.step = runs_before
+
+    @property
+    def runs(self) -> int:
+        """The runs taken so far, ``runs_before`` included."""
+        return self._trainer._train_step_info.step
+
+    def forward_backward(self, inputs: dict):
+        """(The outputs for keyword ``inputs``, as ``train_step`` returns them; {trained weight name: gradient})."""
+        trainer = self._trainer
+        outputs, _, _ = trainer._forward_backward((), inputs)
+        gradients = trainer._gradients
+        if trainer._data_parallel is not None:
+            gradients.reduce_over_ranks(trainer._data_parallel)
+            torch._foreach_div_(gradients.all, float(trainer._world.size))
+        return outputs, gradients.sums
