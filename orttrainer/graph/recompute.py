@@ -17,7 +17,7 @@ make it real in ONNX Runtime:
   losses and weights are those without recompute.
 
 The rewritten graph lists each clone just before its first reader and asks its session to run the nodes in
-that order (``session.IN_LISTED_ORDER``): ONNX Runtime's default order runs every weight's gradient at the end
+that order (``IN_LISTED_ORDER``, which the session reads): ONNX Runtime's default order runs every weight's gradient at the end
 of the run, which would hold the recomputed activations until then.
 
 Which modules ``torch.utils.checkpoint`` wraps is recorded while the module is traced
@@ -39,7 +39,11 @@ from onnx import helper
 
 from .dropout import RANDOM_OPS
 from .graph_errors import module_path
-from ..runtime.session import IN_LISTED_ORDER
+
+# Metadata of a graph whose nodes must run in the order they are listed (the session runs it so: recomputed nodes
+# stand just before their first reader): ONNX Runtime's default order runs every weight's gradient at the very end of
+# the run, holding the recomputed activations it reads until then (benchmarks/NOTES.md, "Recompute").
+IN_LISTED_ORDER = "orttrainer.run_in_listed_order"
 
 CHECKPOINTED_KEY = "orttrainer.checkpointed_modules"  # forward graph metadata: JSON, the module names per checkpoint call
 GELU_OPS = ("Gelu", "FastGelu", "BiasGelu")  # (QuickGelu is spelled out as torch's formula on the CPU: cpu_kernels.py)

@@ -19,6 +19,7 @@ import torch
 from torch.utils.dlpack import from_dlpack
 
 from . import cuda_libraries
+from ..graph.recompute import IN_LISTED_ORDER
 
 GPU_PROVIDERS = ("CUDAExecutionProvider", "ROCMExecutionProvider")
 STREAM_OPTION = "user_compute_stream"  # a CUDA and ROCm provider option in ONNX Runtime 1.19
@@ -147,10 +148,6 @@ _BREAKS_CUBIC_RESIZE = ["TransposeOptimizer_CPUExecutionProvider"]
 # cdist's matrix-product form (docs/stack_facts.md).
 _BREAKS_FLOAT16_GEMMS = ["GemmTransposeFusion"]
 _SPINNING_ENTRIES = ("session.intra_op.allow_spinning", "session.inter_op.allow_spinning")
-# Metadata of a graph whose nodes must run in the order they are listed (recompute.py places recomputed nodes just
-# before their first reader): ONNX Runtime's default order runs every weight's gradient at the very end of the run,
-# holding the recomputed activations it reads until then (benchmarks/NOTES.md, "Recompute").
-IN_LISTED_ORDER = "orttrainer.run_in_listed_order"
 
 
 def disabled_optimizers(model: onnx.ModelProto) -> list:
