@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from parity import assert_state_within_float32_error, assert_within_float32_error, cpu_options, run_parity
+from parity import (assert_state_within_float32_error, assert_within_float32_error, cpu_options, float64_batch,
+                    float64_copy, run_parity)
 
 from orttrainer import ORTTrainer, optim
 from orttrainer.export.refusals import ExportError
@@ -75,6 +76,37 @@ def test_a_counter_and_a_moving_average_written_in_forward_train_and_evaluate_as
     assert_eval_like_torch(trainer, reference, reference64, batches[0])
 
 
+def _spectral_norm_model():
+    from torch.nn.utils import parametrizations
+
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), parametrizations.spectral_norm(nn.Linear(8, 4)))
+
+
+@pytest.mark.parametrize("make", [RunningState, _spectral_norm_model], ids=["counter-and-average", "spectral-norm"])
+def test_written_buffers_under_gradient_accumulation_train_as_torch(make):
+    """gradient_accumulation_steps=2: torch's forward writes the buffers at every micro-batch, its optimizer moves the
+    weights at every second. Against a torch loop over the same micro-batches (each loss / 2 accumulated), every
+    state_dict key after every micro-step."""
+    torch.manual_seed(0)
+    model = make()
+    reference, reference64 = copy.deepcopy(model), float64_copy(model)
+    options = cpu_options({"batch": {"gradient_accumulation_steps": 2}})
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=LR), loss_fn=F.mse_loss, options=options)
+    optimizers = [sgd(module.parameters()) for module in (reference, reference64)]
+    for step, batch in enumerate(pairs(6, (5, 4), (5, 4)), 1):
+        loss = trainer.train_step(*batch)[0]
+        losses = []
+        for module, optimizer, micro in zip((reference, reference64), optimizers, (batch, float64_batch(batch))):
+            losses.append(F.mse_loss(module(micro[0]), micro[1]))
+            (losses[-1] / 2).backward()
+            if step % 2 == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+        assert_within_float32_error(loss, *losses, f"loss at micro-step {step}")
+        assert_state_within_float32_error(trainer, reference, reference64, step)
+    assert int(trainer.state_dict(pytorch_format=True).get("steps", 6)) == 6
+
+
 @pytest.mark.parametrize("style", ["parametrization", "hook"])
 def test_spectral_norm_trains_and_evaluates_as_torch(style):
     """Its power iteration writes u (and v) in training forward; eval mode reads them unchanged."""
@@ -101,6 +133,64 @@ def test_instance_norm_with_running_statistics_trains_and_evaluates_as_torch(dim
     batches = pairs(4, shape, (4, out))
     trainer, reference, reference64 = train_like_torch(model, batches)
     assert_eval_like_torch(trainer, reference, reference64, batches[0])
+
+
+# ------------------------------------------------------------------ writes the graph cannot carry, refused by name
+class OwnStatistics(nn.Module):
+    """F.batch_norm given the module's own buffers as running statistics: it writes them inside one op."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(4))
+        self.register_buffer("var", torch.ones(4))
+
+    def forward(self, x):
+        return F.batch_norm(x, self.mean, self.var, training=self.training)
+
+
+class WritesThroughAView(nn.Module):
+    """An EMA written into a row of a bank of features, a view of the buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("bank", torch.zeros(3, 4))
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                self.bank[0].mul_(0.9).add_(x.mean(0), alpha=0.1)
+        return x + self.bank.sum(0)
+
+
+class CountsInEvalModeToo(nn.Module):
+    """A counter without ``if self.training``: torch's eval forward counts too, orttrainer's eval_step would not."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls += 1
+        return x
+
+
+@pytest.mark.parametrize("layer, message", [
+    (OwnStatistics, r"forward writes the buffers \['1\.mean', '1\.var'\] inside F\.batch_norm, given them as its "
+                    r"running statistics in training, at .*test_forward_writes\.py:\d+: return F\.batch_norm\("),
+    (WritesThroughAView, r"forward writes into a view of the buffer '1\.bank' at .*test_forward_writes\.py:\d+: "
+                         r"self\.bank\[0\]\.mul_"),
+    (CountsInEvalModeToo, r"Sequential's forward writes the buffers \['1\.calls'\] in place in eval mode too"),
+], ids=["batch-norm-on-own-statistics", "write-through-a-view", "written-in-eval-mode-too"])  # fmt: skip
+def test_a_write_the_graph_cannot_carry_is_refused_naming_the_buffer_and_line(layer, message):
+    """Each refused at the first train_step, naming the buffer by its state_dict key (and the line where the trace
+    sees it); the module's buffers are as they were."""
+    model = nn.Sequential(nn.Linear(4, 4), layer())
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=LR), loss_fn=F.mse_loss, options=cpu_options())
+    with pytest.raises(ExportError, match=message):
+        trainer.train_step(torch.randn(3, 4), torch.randn(3, 4))
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, before[name], rtol=0, atol=0, msg=lambda m: f"'{name}': {m}")
 
 
 # ------------------------------------------------------------------ torch.cumprod

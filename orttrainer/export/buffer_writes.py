@@ -11,11 +11,14 @@ which ``F.instance_norm`` writes inside one op the trace cannot see into, are wr
 (``_instance_norm``); other writes the trace cannot see are refused (``refuse_unseen_writes``).
 """
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from . import forward_effects
+from .as_trained import WRAPPED
 from .refusals import ExportError
 from .symbolics import DOMAIN
 
@@ -36,7 +39,9 @@ class _InTraining(torch.autograd.Function):
 
     @staticmethod
     def symbolic(g, training, evaluated):
-        return g.op(f"{DOMAIN}::InTraining", training, evaluated)
+        marked = g.op(f"{DOMAIN}::InTraining", training, evaluated)
+        marked.setType(training.type())  # else torch's exporter warns that it cannot infer the marker's shape
+        return marked
 
 
 def in_training(training: torch.Tensor, evaluated: torch.Tensor) -> torch.Tensor:
@@ -60,10 +65,11 @@ def _written_tensor(func, args, kwargs):
 
 
 class BufferWrites(TorchFunctionMode):
-    """While forward is traced, each write into one of ``buffers`` ({state_dict name: tensor}, persistent buffers
-    the trace returns when written) made ``in_training`` (module docstring); ``marked`` names the buffers so written.
+    """While forward is traced, each write into one of ``buffers`` ({traced name: tensor}, persistent buffers the
+    trace returns when written) made ``in_training`` (module docstring); ``marked`` names the buffers so written.
     A write given as ``out=`` is computed out of place and copied. A write into a view of one is refused: the trace
-    holds it as a write of the view."""
+    holds it as a write of the view; so is F.batch_norm given them as running statistics in training, which writes
+    them inside one op."""
 
     def __init__(self, buffers: dict):
         super().__init__()
@@ -77,6 +83,8 @@ class BufferWrites(TorchFunctionMode):
             return func(*args, **kwargs)
         if func is F.instance_norm:
             return self._instance_norm(*args, **kwargs)
+        if func is F.batch_norm:
+            self._refuse_own_statistics(args, kwargs)
         target = _written_tensor(func, args, kwargs)
         if target is None or id(target) not in self.names:
             if target is not None and target.untyped_storage().data_ptr() in self.storages:
@@ -113,10 +121,21 @@ class BufferWrites(TorchFunctionMode):
                 self._write(buffer, (momentum * statistic + (1 - momentum) * buffer).mean(0), before)
         return in_training(output, evaluated)
 
+    def _refuse_own_statistics(self, args, kwargs) -> None:
+        """Refuses ``F.batch_norm`` in training given buffers as its running statistics (a module's own, not a
+        BatchNorm module's): it writes them inside one op, which the trace holds as reading them only (and torch's
+        kernel does not count the write in their version counters)."""
+        bound = inspect.signature(F.batch_norm).bind(*args, **kwargs)
+        statistics = [bound.arguments.get(name) for name in ("running_mean", "running_var")]
+        written = [self.names[id(tensor)] for tensor in statistics if tensor is not None and id(tensor) in self.names]
+        if written and bound.arguments.get("training", False):
+            where = f"F.batch_norm, given them as its running statistics in training, at {forward_effects.user_location()}"
+            raise ExportError(f"forward {_written_inside_one_op(written, where)}")
+
     @staticmethod
     def _refuse_view_write(name: str):
         raise ExportError(
-            f"forward writes into a view of the buffer '{name}' at {forward_effects.user_location()}: orttrainer "
+            f"forward writes into a view of the buffer '{_state_name(name)}' at {forward_effects.user_location()}: orttrainer "
             "carries a write into a buffer itself to the next step (buffer.add_(...), buffer[index] = ..., "
             "out=buffer), not one through a view of it; write into the buffer, or train this model with torch"
         )
@@ -124,13 +143,25 @@ class BufferWrites(TorchFunctionMode):
 
 def refuse_unseen_writes(written, marked) -> None:
     """Refuses buffers forward wrote (``written``, by their version counters) where ``BufferWrites`` saw no write
-    (``marked``): inside one op (``F.batch_norm`` on a module's own statistics), which the trace holds as reading the
-    buffer only."""
+    (``marked``): inside one op, which the trace holds as reading the buffer only."""
     unseen = [name for name in written if name not in marked]
     if unseen:
-        raise ExportError(
-            f"forward writes the buffers {unseen} inside an op the trace cannot see into (F.batch_norm or "
-            "F.instance_norm given a module's own running statistics, in training): the graph would hold the op "
-            "but not its write. Use nn.BatchNorm*d / nn.InstanceNorm*d modules, write the buffer with tensor ops "
-            "(buffer.mul_(...).add_(...)), or train this model with torch"
-        )
+        raise ExportError(f"forward {_written_inside_one_op(unseen)}")
+
+
+def _state_name(name: str) -> str:
+    """A traced buffer's name as the model's state_dict has it (without the wrapper's prefix)."""
+    return name[len(WRAPPED) :] if name.startswith(WRAPPED) else name
+
+
+_UNSEEN_OP = ("an op the trace cannot see into (F.batch_norm or F.instance_norm given a module's own running "
+              "statistics, in training)")
+
+
+def _written_inside_one_op(names, op=_UNSEEN_OP) -> str:
+    """Why the buffers ``names`` (traced names), written inside ``op``, cannot be so, and what the user can do."""
+    return (
+        f"writes the buffers {[_state_name(name) for name in names]} inside {op}: the graph would "
+        "hold the op but not its write. Use nn.BatchNorm*d / nn.InstanceNorm*d modules, write the buffer with "
+        "tensor ops (buffer.mul_(...).add_(...)), or train this model with torch"
+    )
