@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import zoo
 from parity import assert_within_float32_error, float64_batch, run_parity
 
 from orttrainer import optim
@@ -39,55 +40,11 @@ def _sgd_parity(model, batches, loss_fn):
         assert_within_float32_error(output, wanted, wanted64, f"eval_step output {index}")
 
 
-def _output_loss_plus_its_own(outputs, target):
-    """The mean squared error of the model's output (a VQ-VAE's reconstruction) plus the loss the model adds (its
-    codebook and commitment losses)."""
-    output, own_loss = outputs
-    return F.mse_loss(output, target) + own_loss
-
-
-# ------------------------------------------------------------------ VQ-VAE
-class VQVAE(nn.Module):
-    """A tiny VQ-VAE on 3x8x8 images: a convolutional encoder to a 4x4 grid of ``WIDTH``-vectors z, each replaced by
-    its nearest codebook row q (argmin of the distances: ``cdist`` or the expanded |z|^2 - 2 z.w + |w|^2), passed
-    straight through (``z + (q - z).detach()``) to a transposed-convolution decoder. forward returns the
-    reconstruction and the codebook loss plus ``beta`` times the commitment loss. ``lookup``: how q reads the
-    codebook (the nn.Embedding called, ``F.embedding`` of its weight, or the weight indexed)."""
-
-    def __init__(self, lookup="module", distance="expanded", beta=0.25):
-        super().__init__()
-        self.encoder = nn.Sequential(nn.Conv2d(3, 16, 4, stride=2, padding=1), nn.ReLU(), nn.Conv2d(16, WIDTH, 1))
-        self.codebook = nn.Embedding(CODES, WIDTH)
-        self.decoder = nn.Sequential(nn.ConvTranspose2d(WIDTH, 16, 4, stride=2, padding=1), nn.ReLU(), nn.Conv2d(16, 3, 1))
-        self.lookup, self.distance, self.beta = lookup, distance, beta
-
-    def _distances(self, z):
-        codebook = self.codebook.weight
-        if self.distance == "cdist":  # a fixed compute mode: torch's default changes its formula with the row count
-            return torch.cdist(z, codebook, compute_mode="donot_use_mm_for_euclid_dist")
-        return (z**2).sum(1, keepdim=True) - 2 * z @ codebook.t() + (codebook**2).sum(1)
-
-    def _quantized(self, indices):
-        if self.lookup == "module":
-            return self.codebook(indices)
-        if self.lookup == "functional":
-            return F.embedding(indices, self.codebook.weight)
-        return self.codebook.weight[indices]
-
-    def forward(self, images):
-        encoded = self.encoder(images)
-        batch, _, height, width = encoded.shape
-        z = encoded.permute(0, 2, 3, 1).reshape(-1, WIDTH)
-        q = self._quantized(self._distances(z).argmin(1))
-        vq_loss = F.mse_loss(q, z.detach()) + self.beta * F.mse_loss(z, q.detach())
-        z_q = z + (q - z).detach()
-        return self.decoder(z_q.reshape(batch, height, width, WIDTH).permute(0, 3, 1, 2)), vq_loss
-
-
+# ------------------------------------------------------------------ VQ-VAE (tests/zoo.py)
 def _image_batches(count=4, seed=1):
-    """(images, the same images as the target)."""
+    """(images, the same images as the target), 3 images of 3x8x8 each."""
     generator = torch.Generator().manual_seed(seed)
-    return [(images, images) for images in (torch.randn(3, 3, 8, 8, generator=generator) for _ in range(count))]
+    return [zoo.autoencoder_batch(3, generator=generator) for _ in range(count)]
 
 
 # the fast tier: the nn.Embedding called, distances expanded; the general case below covers every lookup quickly
@@ -98,7 +55,7 @@ _VQ_VAES = [pytest.param(lookup, distance, marks=[] if (lookup, distance) == ("m
 @pytest.mark.parametrize("lookup, distance", _VQ_VAES)
 def test_vq_vae_trains_as_torch(lookup, distance):
     torch.manual_seed(0)
-    _sgd_parity(VQVAE(lookup, distance), _image_batches(), _output_loss_plus_its_own)
+    _sgd_parity(zoo.VQVAE(lookup, distance), _image_batches(), zoo.reconstruction_plus_own_loss)
 
 
 # ------------------------------------------------------------------ the general case
@@ -149,4 +106,5 @@ def _row_batches(count=3, seed=1):
 @pytest.mark.parametrize("read", ["product", "module", "functional", "indexing"])
 def test_a_weight_used_through_a_detach_and_directly_trains_as_torch(read, construction):
     torch.manual_seed(0)
-    _sgd_parity(_DetachedAndDirect(read, _CONSTRUCTIONS[construction]), _row_batches(), _output_loss_plus_its_own)
+    _sgd_parity(_DetachedAndDirect(read, _CONSTRUCTIONS[construction]), _row_batches(),
+                zoo.reconstruction_plus_own_loss)

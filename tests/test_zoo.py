@@ -57,7 +57,8 @@ def _loads_strictly(model, trainer, reference, reference64):
 
 # ------------------------------------------------------------------ models written in torch
 def _check_module(tmp_path, model, loss_fn, batches, eval_batch):
-    """Parity over ``batches``, then eval_step, strict load and both ONNX exports on ``eval_batch``."""
+    """Parity over ``batches``, then eval_step, strict load and both ONNX exports on ``eval_batch``. The model
+    returns a tensor or a tuple of them."""
     sgd = functools.partial(torch.optim.SGD, lr=LR)
     trainer, reference, reference64 = run_parity(model, batches, optim.SGDConfig(lr=LR), sgd, loss_fn=loss_fn, float64=True)
 
@@ -67,20 +68,23 @@ def _check_module(tmp_path, model, loss_fn, batches, eval_batch):
     with torch.no_grad():
         expected, expected64 = reference(*inputs), reference64(*float64_batch(inputs))
     expected_loss, expected_loss64 = loss_fn(expected, label), loss_fn(expected64, label)
-    loss, output = trainer.eval_step(*eval_batch)
+    expected, expected64 = (value if isinstance(value, tuple) else (value,) for value in (expected, expected64))
+    loss, *outputs = trainer.eval_step(*eval_batch)
     _close(loss, expected_loss, expected_loss64, "eval_step loss")
-    _close(output, expected, expected64, "eval_step output")
+    assert len(outputs) == len(expected)
+    for index, (output, wanted, wanted64) in enumerate(zip(outputs, expected, expected64)):
+        _close(output, wanted, wanted64, f"eval_step output {index}")
 
     _loads_strictly(model, trainer, reference, reference64)
 
-    for with_loss, feeds, outputs, outputs64 in ((True, eval_batch, [expected_loss, expected], [expected_loss64, expected64]),
-                                                 (False, inputs, [expected], [expected64])):  # fmt: skip
+    for with_loss, feeds, wanted, wanted64 in ((True, eval_batch, [expected_loss, *expected], [expected_loss64, *expected64]),
+                                               (False, inputs, expected, expected64)):  # fmt: skip
         session = _onnx_session(trainer, tmp_path / f"model_{with_loss}.onnx", with_loss)
         assert len(session.get_inputs()) == len(feeds), [i.name for i in session.get_inputs()]
         results = session.run(None, {entry.name: tensor.numpy() for entry, tensor in zip(session.get_inputs(), feeds)})
-        assert len(results) == len(outputs)
-        for index, (result, wanted, wanted64) in enumerate(zip(results, outputs, outputs64)):
-            _close(result, wanted, wanted64, f"ONNX (with_loss={with_loss}) output {index}")
+        assert len(results) == len(wanted)
+        for index, (result, value, value64) in enumerate(zip(results, wanted, wanted64)):
+            _close(result, value, value64, f"ONNX (with_loss={with_loss}) output {index}")
 
 
 SHAPES = {"images": [(4,), (3,), (4,)], "tokens": [(4, 7), (3, 10), (4, 7)]}  # (batch,) / (batch, padded length)
@@ -92,6 +96,16 @@ def test_torch_model(tmp_path, name):
     torch.manual_seed(0)
     batches, eval_batch = _batches(make_batch, SHAPES[shape_kind])
     _check_module(tmp_path, make(), F.cross_entropy, batches, eval_batch)
+
+
+@pytest.mark.parametrize("name", zoo.AUTOENCODERS)
+def test_autoencoder(tmp_path, name):
+    """A VQ-VAE's straight-through codebook; VQ-VAE-2's codebook of buffers that training forward moves by moving
+    averages, which eval_step and the ONNX files read as trained."""
+    make, make_batch, shape_kind = zoo.AUTOENCODERS[name]
+    torch.manual_seed(0)
+    batches, eval_batch = _batches(make_batch, SHAPES[shape_kind])
+    _check_module(tmp_path, make(), zoo.reconstruction_plus_own_loss, batches, eval_batch)
 
 
 # ------------------------------------------------------------------ Hugging Face

@@ -151,11 +151,122 @@ class BagOfWordsClassifier(nn.Module):
         return self.head(self.bag(text, offsets))
 
 
+# ------------------------------------------------------------------ spectral norm, vector quantization
+def _spectral_norm(layer):
+    return nn.utils.parametrizations.spectral_norm(layer)
+
+
+class SpectralNormDiscriminator(nn.Module):
+    """An SNGAN-style discriminator: two strided convolutions with leaky ReLUs and a linear head, each weight
+    spectral-normalized (its power iteration writes the buffers u and v in every training forward)."""
+
+    def __init__(self, classes=CLASSES, size=16):
+        super().__init__()
+        self.features = nn.Sequential(_spectral_norm(nn.Conv2d(3, 8, 3, stride=2, padding=1)), nn.LeakyReLU(0.1),
+                                      _spectral_norm(nn.Conv2d(8, 16, 3, stride=2, padding=1)), nn.LeakyReLU(0.1),
+                                      nn.Flatten())  # fmt: skip
+        self.head = _spectral_norm(nn.Linear(16 * (size // 4) ** 2, classes))
+
+    def forward(self, images):
+        return self.head(self.features(images))
+
+
+class _Autoencoder(nn.Module):
+    """A convolutional encoder of 3xHxW images to an (H/2)x(W/2) grid of ``width``-vectors and its transposed
+    decoder; ``quantize(z)`` (rows of z) gives (the vectors the decoder reads, the loss the model adds)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.width = width
+        self.encoder = nn.Sequential(nn.Conv2d(3, 16, 4, stride=2, padding=1), nn.ReLU(), nn.Conv2d(16, width, 1))
+        self.decoder = nn.Sequential(nn.ConvTranspose2d(width, 16, 4, stride=2, padding=1), nn.ReLU(), nn.Conv2d(16, 3, 1))
+
+    def forward(self, images):
+        encoded = self.encoder(images)
+        batch, _, height, width = encoded.shape
+        quantized, own_loss = self.quantize(encoded.permute(0, 2, 3, 1).reshape(-1, self.width))
+        return self.decoder(quantized.reshape(batch, height, width, self.width).permute(0, 3, 1, 2)), own_loss
+
+
+def _squared_distances(z, codebook):
+    """|z|^2 - 2 z.w + |w|^2 between each row of z and each codebook row."""
+    return (z**2).sum(1, keepdim=True) - 2 * z @ codebook.t() + (codebook**2).sum(1)
+
+
+class VQVAE(_Autoencoder):
+    """A VQ-VAE: each encoded vector z replaced by its nearest codebook row q (argmin of the distances: ``cdist`` or
+    the expanded |z|^2 - 2 z.w + |w|^2), passed straight through (``z + (q - z).detach()``); the model adds the
+    codebook loss plus ``beta`` times the commitment loss. ``lookup``: how q reads the codebook (the nn.Embedding
+    called, ``F.embedding`` of its weight, or the weight indexed)."""
+
+    def __init__(self, lookup="module", distance="expanded", beta=0.25, codes=16, width=8):
+        super().__init__(width)
+        self.codebook = nn.Embedding(codes, width)
+        self.lookup, self.distance, self.beta = lookup, distance, beta
+
+    def _distances(self, z):
+        if self.distance == "cdist":  # a fixed compute mode: torch's default changes its formula with the row count
+            return torch.cdist(z, self.codebook.weight, compute_mode="donot_use_mm_for_euclid_dist")
+        return _squared_distances(z, self.codebook.weight)
+
+    def _quantized(self, indices):
+        if self.lookup == "module":
+            return self.codebook(indices)
+        if self.lookup == "functional":
+            return F.embedding(indices, self.codebook.weight)
+        return self.codebook.weight[indices]
+
+    def quantize(self, z):
+        q = self._quantized(self._distances(z).argmin(1))
+        vq_loss = F.mse_loss(q, z.detach()) + self.beta * F.mse_loss(z, q.detach())
+        return z + (q - z).detach(), vq_loss
+
+
+class EMAVQVAE(_Autoencoder):
+    """VQ-VAE-2's quantizer: the codebook is no parameter but a buffer that training forward moves by exponential
+    moving averages (``decay``, under no_grad) of each code's count of the vectors nearest to it and of their sum,
+    the counts Laplace-smoothed (``eps``); the model adds the commitment loss only (``beta``)."""
+
+    def __init__(self, codes=16, width=8, decay=0.9, beta=0.25, eps=1e-5):
+        super().__init__(width)
+        self.decay, self.beta, self.eps = decay, beta, eps
+        self.register_buffer("codebook", torch.randn(codes, width))
+        self.register_buffer("counts", torch.ones(codes))
+        self.register_buffer("sums", self.codebook.clone())
+
+    def quantize(self, z):
+        indices = _squared_distances(z, self.codebook).argmin(1)
+        if self.training:
+            with torch.no_grad():
+                nearest = F.one_hot(indices, len(self.codebook)).type_as(z)
+                self.counts.mul_(self.decay).add_(nearest.sum(0), alpha=1 - self.decay)
+                self.sums.mul_(self.decay).add_(nearest.t() @ z, alpha=1 - self.decay)
+                total = self.counts.sum()
+                smoothed = (self.counts + self.eps) / (total + len(self.codebook) * self.eps) * total
+                self.codebook.copy_(self.sums / smoothed.unsqueeze(1))
+        q = F.embedding(indices, self.codebook)
+        return z + (q - z).detach(), self.beta * F.mse_loss(z, q.detach())
+
+
+def reconstruction_plus_own_loss(outputs, target):
+    """The mean squared error of an autoencoder's reconstruction plus the loss the model adds (a VQ-VAE's codebook
+    and commitment losses). Written out, not F.mse_loss: the trace of its broadcast makes the saved ONNX model
+    without the loss read the label's shape (open, reported with issue 46)."""
+    reconstruction, own_loss = outputs
+    return ((reconstruction - target) ** 2).mean() + own_loss
+
+
 # ------------------------------------------------------------------ batches
 def image_batch(batch, size=16, generator=None):
     """(images [batch, 3, size, size], class per image)."""
     images = torch.randn(batch, 3, size, size, generator=generator)
     return images, torch.randint(0, CLASSES, (batch,), generator=generator)
+
+
+def autoencoder_batch(batch, size=8, generator=None):
+    """(images [batch, 3, size, size], the same images as the target)."""
+    images = torch.randn(batch, 3, size, size, generator=generator)
+    return images, images
 
 
 def segmentation_batch(batch, size=16, generator=None):
@@ -578,6 +689,13 @@ TORCH_MODELS = {
     "unet-bilinear-reflect-pad-batchnorm": (functools.partial(UNet, bilinear=True), segmentation_batch, "images"),
     "lstm-over-padded-batches-of-changing-length": (RecurrentClassifier, padded_token_batch, "tokens"),
     "embedding-bag-over-texts-of-changing-length": (BagOfWordsClassifier, concatenated_text_batch, "tokens"),
+    "sngan-discriminator-spectral-norm": (SpectralNormDiscriminator, image_batch, "images"),
+}
+# The autoencoders: the same, but the batch is (images, images) and the model returns (reconstruction, the loss it
+# adds), trained with reconstruction_plus_own_loss.
+AUTOENCODERS = {
+    "vq-vae-straight-through-codebook": (VQVAE, autoencoder_batch, "images"),
+    "vq-vae-2-ema-codebook-buffers": (EMAVQVAE, autoencoder_batch, "images"),
 }
 HUGGING_FACE_MODELS = {
     "bert-masked-lm": (bert_masked_lm, masked_lm_batch, "tokens"),
