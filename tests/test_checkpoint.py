@@ -284,6 +284,9 @@ RESUMED = {
     "cnn-batchnorm-dropout": (functools.partial(CNN, dropout=0.2), F.cross_entropy, cnn_batch),
     "transformer": (Encoder, lm_loss, token_batch),
     "hugging-face": (zoo.bert_classifier, None, functools.partial(zoo.classification_batch, 4, 8)),
+    # buffers training forward writes: an EMA codebook, spectral_norm's u and v
+    "ema-codebook": (zoo.EMAVQVAE, zoo.reconstruction_plus_own_loss, functools.partial(zoo.autoencoder_batch, 3)),
+    "spectral-norm": (zoo.SpectralNormDiscriminator, F.cross_entropy, functools.partial(zoo.image_batch, 4)),
 }
 
 

@@ -219,18 +219,18 @@ ROWS = {  # each row's products along the last dimension, the tricky values for 
     "infinity": [2.0, float("inf"), 0.5, -1.0, 3.0],
     "infinity and zero": [float("inf"), 0.0, 2.0, 1.0, 1.0],
     "nan": [1.0, float("nan"), 2.0, 0.0, 1.0],
+    "infinity after a zero": [2.0, 0.0, float("inf"), 3.0, 1.0],
+    "infinity between two zeros": [0.0, float("-inf"), 2.0, 0.0, 4.0],
+    "nan before a zero": [float("nan"), 3.0, 0.0, 2.0, 1.0],
+    "nan after two zeros": [0.0, 2.0, 0.0, float("nan"), 1.0],
 }
 
 
-# the gradient through the products differs from torch's cumprod_backward where an infinity or NaN meets the others
-_DIFFERS_AT = pytest.mark.xfail(strict=True, reason="gradient at inf/NaN differs from torch's cumprod_backward (open)")
-
-
-@pytest.mark.parametrize("row", [pytest.param(row, marks=_DIFFERS_AT) if "inf" in row or "nan" in row else row
-                                 for row in ROWS], ids=list(ROWS))  # fmt: skip
+@pytest.mark.parametrize("row", ROWS)
 def test_cumprod_value_and_gradient_at_boundary_values(row):
     """One SGD step: the loss (the products), and the weight after it (each element's gradient), within float32
-    torch's distance from float64 torch, NaN and infinities where torch has them."""
+    torch's distance from float64 torch, NaN and infinities where torch's cumprod_backward has them (the gradient
+    through the products would have NaN where it has an infinity or 0, after an infinity meets a zero)."""
     x = torch.tensor([ROWS[row], [1.0, 2.0, 3.0, 4.0, 5.0]])
     target = torch.linspace(-1.0, 1.0, 10).reshape(2, 5)
     train_like_products(ScaledProducts((2, 5), -1), [(x, target)])
@@ -246,6 +246,35 @@ def test_cumprod_trains_as_torch_along_any_fixed_dimension(shape, dim):
     torch.manual_seed(0)
     batches = [(x.relu(), target) for x, target in pairs(3, shape, shape)]  # zeros among the values
     train_like_products(ScaledProducts(shape, dim), batches)
+
+
+class ProductsAndSums(nn.Module):
+    """Several scans of one tensor, which ONNX Runtime's optimizer merges in part: cumprods along two dimensions (one
+    twice), and with ``with_cumsum`` a cumsum too."""
+
+    def __init__(self, with_cumsum):
+        super().__init__()
+        self.scale, self.with_cumsum = nn.Parameter(torch.ones(3, 4)), with_cumsum
+
+    def forward(self, x):
+        y = x * self.scale
+        if self.with_cumsum:
+            return torch.cumprod(y, 2) + torch.cumsum(y, 2)
+        return torch.cumprod(y, 1) + torch.cumprod(y, 2) + 2 * torch.cumprod(y, 2)
+
+
+def test_cumprods_of_one_tensor_train_as_torch_at_boundary_values():
+    x = torch.linspace(-2.0, 2.0, 24).reshape(2, 3, 4)
+    x[0, 1, 2], x[1, 2, 0], x[1, 0, 1], x[0, 2, 3] = 0.0, 0.0, float("inf"), float("nan")
+    train_like_products(ProductsAndSums(with_cumsum=False), [(x, torch.linspace(-1.0, 1.0, 24).reshape(2, 3, 4))])
+
+
+def test_a_cumprod_and_a_cumsum_of_one_tensor_train_as_torch_with_zeros():
+    """Their scans share nodes: the cumprod keeps the gradient through the products, torch's where no infinity or NaN
+    meets the others (with one, the first-step check refuses the step)."""
+    x = torch.linspace(-2.0, 2.0, 24).reshape(2, 3, 4)
+    x[0, 1, 2], x[1, 2, 0] = 0.0, 0.0
+    train_like_products(ProductsAndSums(with_cumsum=True), [(x, torch.linspace(-1.0, 1.0, 24).reshape(2, 3, 4))] * 2)
 
 
 def test_cumprod_along_the_batch_dimension_is_refused_naming_the_module():

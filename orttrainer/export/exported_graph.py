@@ -5,6 +5,7 @@ names are the module's state_dict keys), and the marker nodes ``symbolics`` wrot
 gradient rules as an ``EmbeddingLookup``, hardtanh's Clip and detach's Identity marked for the gradient rewrites.
 """
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,7 +58,8 @@ def resolve_markers(model: onnx.ModelProto) -> dict:
 
     An embedding's marker on the gather indices is removed, its rules returned. A hardtanh marker
     becomes the Clip it stands for, marked ``rewrites.ZERO_GRADIENT_AT_BOUNDS``; a detach
-    marker an Identity marked ``rewrites.STOP_GRADIENT``; an in-training marker (buffer_writes.in_training) a
+    marker an Identity marked ``rewrites.STOP_GRADIENT``; a cumprod marker the Cast that ends its scan
+    (``_resolve_cumprod``); an in-training marker (buffer_writes.in_training) a
     Where on ``eval_graph.IN_TRAINING``, which the training and eval graphs resolve (``eval_graph.take_branches``).
     """
     markers = {node.output[0]: node for node in model.graph.node if node.domain == symbolics.DOMAIN}
@@ -76,6 +78,8 @@ def resolve_markers(model: onnx.ModelProto) -> dict:
         elif marker.op_type == "InTraining":
             marker.op_type, marker.domain = "Where", ""
             marker.input.insert(0, IN_TRAINING)
+        elif marker.op_type == "CumProd":
+            _resolve_cumprod(marker)
     if any(marker.op_type == "Where" for marker in markers.values()):
         model.graph.initializer.append(numpy_helper.from_array(np.array(True), IN_TRAINING))
     kept = [node for node in model.graph.node if node.domain != symbolics.DOMAIN]
@@ -85,6 +89,16 @@ def resolve_markers(model: onnx.ModelProto) -> dict:
     del model.opset_import[:]
     model.opset_import.extend(domains)
     return lookups
+
+
+def _resolve_cumprod(marker: onnx.NodeProto) -> None:
+    """torch.cumprod's marker on its float64 products (symbolics.reductions.cumprod) becomes the Cast of the products
+    back to the input's type, marked ``rewrites.CUMPROD_PRODUCTS`` with what its gradient needs: the axis, rank and
+    length."""
+    attributes = rewrites.node_attributes(marker)
+    facts = {key: attributes[key] for key in ("axis", "rank", "length")}
+    marker.CopyFrom(helper.make_node("Cast", [marker.input[0]], list(marker.output), name=marker.name,
+                                     doc_string=rewrites.CUMPROD_PRODUCTS + json.dumps(facts), to=attributes["to"]))
 
 
 def name_written_buffers(model: onnx.ModelProto, written) -> None:

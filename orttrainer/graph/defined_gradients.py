@@ -22,12 +22,18 @@ marked (``ZERO_GRADIENT_AT_BOUNDS``) and their gradients made strict after the b
 """
 
 import json
+from collections import defaultdict
 
 import onnx
 from onnxruntime.capi import _pybind_state as _ort
 
 from ..runtime import torch_ctc, torch_recurrent
-from .rewrites import ZERO_GRADIENT_AT_BOUNDS, NodeBuilder, is_torch_hard_sigmoid, replace_nodes
+from .graph_edits import remove_unused
+from .graph_errors import GradientBuildError, describe_node
+from .rewrites import (
+    CUMPROD_PRODUCTS, ZERO_GRADIENT_AT_BOUNDS, NodeBuilder, cumprod_gradient, is_torch_hard_sigmoid, node_attribute,
+    replace_nodes,
+)
 
 
 def _constant(name: str, value: float):
@@ -183,6 +189,80 @@ def gradient_nodes(nodes, forward: onnx.NodeProto) -> list:
     found = [node for node in nodes if node.name.startswith(prefix)]
     expected = sorted(node[0] for node in GRADIENT_DEFINITIONS[forward.op_type] if node[0] != "Constant")
     return found if sorted(node.op_type for node in found if node.op_type != "Constant") == expected else []
+
+
+def torch_cumprod_gradients(model: onnx.ModelProto) -> None:
+    """Make the gradient of each torch.cumprod torch's cumprod_backward, in place (``rewrites.cumprod_gradient``).
+
+    Its scan (symbolics.reductions.cumprod) runs from a Cast of x to float64 to a Cast back marked
+    ``rewrites.CUMPROD_PRODUCTS``. The builder's gradient of the scanned tensor ('<scanned>_grad') becomes torch's
+    formula of x, the products and their gradient ('<products>_grad') summed over the cumprods that scan it (ONNX
+    Runtime's optimizer merges the Casts of one x), unless other nodes read it too (``_scans_alone``); what only the
+    builder's gradient computed is dropped.
+    """
+    producers = {output: node for node in model.graph.node for output in node.output}
+    scans = defaultdict(list)  # the scanned tensor's gradient producer's name: [(x, scanned, products Cast, facts)]
+    for node in model.graph.node:
+        if node.op_type == "Cast" and node.doc_string.startswith(CUMPROD_PRODUCTS):
+            facts = json.loads(node.doc_string[len(CUMPROD_PRODUCTS) :])
+            scanned = _scanned(producers, node, facts["length"])
+            target = producers.get(f"{scanned}_grad")
+            if target is not None:  # on no gradient path otherwise
+                scans[target.name].append((producers[scanned].input[0], scanned, node, facts))
+    if not scans:
+        return
+
+    groups = {name: group for name, group in scans.items() if _scans_alone(model, producers, group)}
+
+    def torch_gradient(build):
+        gradients = []
+        for x, scanned, products, facts in groups[build.node.name]:
+            elem_type = node_attribute(products, "to")
+            gradients.append(cumprod_gradient(build, x, products.output[0], f"{products.output[0]}_grad", facts["axis"],
+                                              facts["rank"], facts["length"], elem_type))  # fmt: skip
+        total = gradients[0] if len(gradients) == 1 else build.op("Sum", gradients)
+        build.op("Cast", [total], build.node.output[0], to=onnx.TensorProto.DOUBLE)
+
+    targets = [node for node in model.graph.node if node.name in groups]
+    replace_nodes(model, {node.op_type: torch_gradient for node in targets}, targets)
+    remove_unused(model.graph)
+
+
+def _scans_alone(model: onnx.ModelProto, producers: dict, group) -> bool:
+    """Whether the scans of ``group`` (the cumprods of one scanned tensor) are all that reads the scanned tensor and
+    their own nodes, so that the builder's gradient of it is theirs alone. ONNX Runtime's optimizer merges equal
+    nodes: the Cast and first Slice of a cumsum of the same x with a cumprod's. Where it did, the builder's gradient
+    (through the products: torch's but where an infinity or NaN meets the others) is kept."""
+    scanned = group[0][1]
+    nodes = set().union(*(_scan_nodes(producers, scanned, products) for _, _, products, _ in group))
+    outputs = {name for node in model.graph.node if node.name in nodes for name in node.output} | {scanned}
+    readers = {node.name for node in model.graph.node if "_Grad/" not in node.name
+               and not node.name.startswith("AccumulateGrad_") and outputs.intersection(node.input)}  # fmt: skip
+    return readers <= nodes | {products.name for _, _, products, _ in group}
+
+
+def _scanned(producers: dict, products: onnx.NodeProto, length: int) -> str:
+    """The float64 tensor a torch.cumprod's scan starts from, walked back from its products' Cast through the
+    ceil(log2 length) Muls of ``rewrites.inclusive_scan`` (each reads the previous step first) to the Cast of x."""
+    name = products.input[0]
+    for _ in range(max(length - 1, 0).bit_length()):
+        step = producers.get(name)
+        if step is None or step.op_type != "Mul":
+            raise GradientBuildError(f"the scan of torch.cumprod ending at {describe_node(products)} is not the Muls "
+                                     "its export wrote: orttrainer cannot give it torch's gradient")  # fmt: skip
+        name = step.input[0]
+    return name
+
+
+def _scan_nodes(producers: dict, scanned: str, products: onnx.NodeProto) -> set:
+    """Names of the nodes on the way from ``scanned`` to the products' Cast (the scan)."""
+    found, stack = set(), [products.input[0]]
+    while stack:
+        node = producers.get(stack.pop())
+        if node is not None and scanned not in node.output and node.name not in found:
+            found.add(node.name)
+            stack.extend(node.input)
+    return found
 
 
 _STRICT_COMPARISONS = {"GreaterOrEqual": ("Greater", 1), "LessOrEqual": ("Less", 2)}  # and the Clip input compared with

@@ -377,6 +377,7 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     torch_recurrent.complete_rnn_gradients(train_model)
     drop_empty_broadcast_reductions(train_model, forward)
     defined_gradients.zero_gradient_at_bounds(train_model)
+    defined_gradients.torch_cumprod_gradients(train_model)
     defined_gradients.spell_forwards(train_model, keep_for_torch)
     defined_gradients.spell_forwards(eval_model, keep_for_torch)
     if on_cpu:

@@ -9,7 +9,7 @@ from torch.onnx import symbolic_helper
 from torch.onnx._internal.torchscript_exporter import _type_utils, symbolic_opset9
 
 from ...graph import rewrites
-from ._graph import _constant, _ExportGraph, _module_scope, _numpy_dtype
+from ._graph import DOMAIN, _constant, _ExportGraph, _module_scope, _numpy_dtype
 from .elementwise import detach
 
 
@@ -261,8 +261,10 @@ def cumprod(g, x, dim, dtype=None):
     """torch.cumprod along a dimension of fixed size, which torch's exporter has no form for: a scan of products
     (``rewrites.inclusive_scan``), in float64 for floating types as torch's CPU kernel accumulates and rounded once,
     in int64 for bool and integers (torch's promotion). Each output is the product of exactly the inputs torch's is;
-    its gradient, through the products, is the product of the others, also at a zero (torch's cumprod_backward),
-    where one divided by the input would be NaN. ``dtype`` casts first, as torch does."""
+    the Cast back of a floating one is a marker (``rewrites.CUMPROD_PRODUCTS``, exported_graph.resolve_markers) by
+    which the gradient is made torch's cumprod_backward after the build (defined_gradients.torch_cumprod_gradients):
+    the gradient through the products differs from it where an infinity or NaN meets the other factors.
+    ``dtype`` casts first, as torch does."""
     if not symbolic_helper._is_none(dtype):
         x = g.op("Cast", x, to_i=_type_utils.JitScalarType(symbolic_helper._get_const(dtype, "i", "dtype")).onnx_type())
     elif _type_utils.JitScalarType.from_value(x) in _INTEGRAL_TYPES:
@@ -280,7 +282,10 @@ def cumprod(g, x, dim, dtype=None):
         return rewrites.inclusive_scan(_ExportGraph(g), x, axis, rank, length, "Mul", np.int64)
     wide = g.op("Cast", x, to_i=onnx.TensorProto.DOUBLE)
     products = rewrites.inclusive_scan(_ExportGraph(g), wide, axis, rank, length, "Mul", np.float64)
-    return g.op("Cast", products, to_i=_type_utils.JitScalarType.from_value(x).onnx_type())
+    elem = _type_utils.JitScalarType.from_value(x)
+    marked = g.op(f"{DOMAIN}::CumProd", products, to_i=elem.onnx_type(), axis_i=axis, rank_i=rank, length_i=length)
+    marked.setType(x.type().with_dtype(elem.dtype()))
+    return marked
 
 
 def dot(g, x, y):

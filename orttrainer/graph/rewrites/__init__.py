@@ -44,11 +44,12 @@ from .convolutions import explicit_convolution_pads, grouped_convolutions
 from .folding import fold_static_sizes
 from .normalization import batch_statistics_batch_norm
 from .pooling import torch_pools
-from .reductions import first_extreme, first_extreme_index, inclusive_scan
+from .reductions import CUMPROD_PRODUCTS, cumprod_gradient, first_extreme, first_extreme_index, inclusive_scan
 from .shapes import copy_with_inputs_for, shapes_in, static_shapes, structure_for_inference, symbolic_shapes
 from .table import rewrite_for_training
 
 __all__ = [
+    "CUMPROD_PRODUCTS",
     "STOP_GRADIENT",
     "ZERO_GRADIENT_AT_BOUNDS",
     "GraphFacts",
@@ -57,6 +58,7 @@ __all__ = [
     "RewriteError",
     "batch_statistics_batch_norm",
     "copy_with_inputs_for",
+    "cumprod_gradient",
     "detached",
     "explicit_convolution_pads",
     "first_extreme",

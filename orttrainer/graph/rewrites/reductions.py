@@ -48,6 +48,46 @@ def inclusive_scan(build, x, axis: int, rank: int, length: int, op_type: str, dt
     return x
 
 
+# The doc_string of the Cast that ends torch.cumprod's scan (symbolics.reductions.cumprod), followed by JSON facts:
+# the axis, rank and length; defined_gradients.torch_cumprod_gradients reads them.
+CUMPROD_PRODUCTS = "orttrainer: cumprod, torch's gradient "
+
+
+def _scanned_in_float64(build, x, axis, rank, length, op_type, elem_type, reverse=False):
+    """``inclusive_scan`` of x (of ONNX ``elem_type``) in float64, rounded once back to ``elem_type``: torch's CPU
+    cumsum and cumprod of float32 accumulate in float64."""
+    wide = build.op("Cast", [x], to=onnx.TensorProto.DOUBLE)
+    scanned = inclusive_scan(build, wide, axis, rank, length, op_type, np.float64, reverse)
+    return build.op("Cast", [scanned], to=elem_type)
+
+
+def cumprod_gradient(build, x, products, gradient, axis: int, rank: int, length: int, elem_type: int):
+    """torch's cumprod_backward (without double backward) of ``products`` = cumprod(x) along ``axis`` of static
+    ``length``, given their ``gradient``, in x's ONNX ``elem_type``, in torch's order of operations so that infinities
+    and NaNs land where torch's do. z is each row's first zero (its end if none): before it, the reversed running
+    sum of products * gradient up to z, divided by x; at it, the running products of x after it up to the next
+    zero, times the gradient there, summed, times the product before z; after it 0. Of one element, the gradient."""
+    if length == 1:
+        return gradient
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(elem_type)
+    zero, one = build.const(0.0, dtype), build.const(1.0, dtype)
+    is_zero = build.op("Equal", [x, zero])
+    zeros_so_far = inclusive_scan(build, build.op("Cast", [is_zero], to=onnx.TensorProto.INT64), axis, rank, length,
+                                  "Add", np.int64)  # fmt: skip
+    before = build.op("Equal", [zeros_so_far, build.const(0, np.int64)])
+    from_first = build.op("Equal", [zeros_so_far, build.const(1, np.int64)])
+    weighted = build.op("Where", [before, build.op("Mul", [products, gradient]), zero])
+    sums = _scanned_in_float64(build, weighted, axis, rank, length, "Add", elem_type, reverse=True)
+    until_first = build.op("Div", [sums, x])
+    after_first = build.op("Where", [build.op("And", [from_first, build.op("Not", [is_zero])]), x, one])
+    running = _scanned_in_float64(build, after_first, axis, rank, length, "Mul", elem_type)
+    summed = build.reduce("ReduceSum", build.op("Mul", [running, build.op("Where", [from_first, gradient, zero])]),
+                          [axis], 1)  # fmt: skip
+    at_first = build.op("Mul", [summed, _shifted(build, products, axis, rank, length, 1, False, one)])
+    first_zero = build.op("And", [from_first, is_zero])
+    return build.op("Where", [before, until_first, build.op("Where", [first_zero, at_first, zero])])
+
+
 def cumsum(build):
     """CumSum along a static axis as an exact scan in float64 (``inclusive_scan``).
 
