@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ._arguments import _check_argument
+from ..argument_checks import check_argument
 
 InputDescription = namedtuple("InputDescription", ["name", "shape"])
 InputDescriptionTyped = namedtuple("InputDescriptionTyped", ["name", "shape", "dtype"])
@@ -79,10 +79,10 @@ def validate_model_desc(model_desc):
 
 def _check_index_and_dtype(kind, index, dtype, count):
     """``index`` must be a non-negative int and ``dtype`` a torch.dtype (``kind``: 'input' or 'output')."""
-    _check_argument(index, int, f"{kind} index must be a non-negative int",
+    check_argument(index, int, f"{kind} index must be a non-negative int",
                     f"Pass the position of the entry in model_desc.{kind}s (0..{count - 1}).",
                     lambda value: 0 <= value < count)
-    _check_argument(dtype, torch.dtype, f"{kind} dtype must be a torch.dtype",
+    check_argument(dtype, torch.dtype, f"{kind} dtype must be a torch.dtype",
                     "Pass a torch dtype such as torch.float32, not a numpy dtype or a string.")
 
 

@@ -7,7 +7,7 @@ import inspect
 import onnx
 import torch
 
-from ._arguments import _argument_error, _check_argument
+from ..argument_checks import argument_error, check_argument
 from ..optim._from_torch import equivalent_config
 from ..optim.config import _OptimizerConfig
 from .options import ORTTrainerOptions
@@ -17,28 +17,28 @@ def check_trainer_arguments(model, model_desc, optim_config, loss_fn, options):
     """ORTTrainer's argument checks, in the legacy order: TypeError for a wrong type, ValueError for a wrong value."""
     model_fix = "Pass the torch.nn.Module to train, or onnx.load(path) for an ONNX file."
     if model is None:
-        raise _argument_error(TypeError, "'model' is required and must be either a 'torch.nn.Module' or ONNX model",
+        raise argument_error(TypeError, "'model' is required and must be either a 'torch.nn.Module' or ONNX model",
                               model, model_fix)
-    _check_argument(model_desc, (dict, type(None)), "'model_desc' must be a 'dict' (or None to infer it)",
+    check_argument(model_desc, (dict, type(None)), "'model_desc' must be a 'dict' (or None to infer it)",
                     "Pass {'inputs': [(name, shape), ...], 'outputs': [(name, shape, is_loss), ...]} or None.")
     if isinstance(optim_config, torch.optim.Optimizer):
-        raise _argument_error(TypeError, "'optim_config' must be an orttrainer.optim config, not a torch optimizer",
+        raise argument_error(TypeError, "'optim_config' must be an orttrainer.optim config, not a torch optimizer",
                               optim_config, equivalent_config(optim_config, model)[2])  # fmt: skip
-    _check_argument(optim_config, _OptimizerConfig,
+    check_argument(optim_config, _OptimizerConfig,
                     "'optim_config' is required and must be any of 'AdamConfig', 'LambConfig' or 'SGDConfig'",
                     "Pass e.g. optim.SGDConfig(lr=0.001) or optim.AdamConfig(lr=0.001) from orttrainer.optim.")
     if loss_fn is not None and not (callable(loss_fn) and _accepts_two_arguments(loss_fn)):
-        raise _argument_error(TypeError, "'loss_fn' must be either 'None' or a callable taking two arguments (output, label)",
+        raise argument_error(TypeError, "'loss_fn' must be either 'None' or a callable taking two arguments (output, label)",
                               loss_fn, "Pass a function such as loss_fn(output, label) -> scalar loss tensor, or None.")
-    _check_argument(options, (ORTTrainerOptions, type(None)), "'options' must be an 'ORTTrainerOptions'",
+    check_argument(options, (ORTTrainerOptions, type(None)), "'options' must be an 'ORTTrainerOptions'",
                     "Wrap the option dict: options=ORTTrainerOptions({...}).")
     if isinstance(model, onnx.ModelProto):
         if loss_fn is not None:
-            raise _argument_error(ValueError, "'loss_fn' must not be specified when 'model' is an ONNX model", loss_fn,
+            raise argument_error(ValueError, "'loss_fn' must not be specified when 'model' is an ONNX model", loss_fn,
                                   "Compute the loss inside the ONNX graph (flag its output is_loss=True in model_desc) "
                                   "and pass loss_fn=None.")
     elif not isinstance(model, torch.nn.Module):
-        raise _argument_error(ValueError, "'model' must be either 'torch.nn.Module' or 'onnx.ModelProto'", model, model_fix)
+        raise argument_error(ValueError, "'model' must be either 'torch.nn.Module' or 'onnx.ModelProto'", model, model_fix)
     else:
         _refuse_wrapped_module(model)
     _check_weight_names(model, optim_config, options)
@@ -50,11 +50,11 @@ def _refuse_wrapped_module(model: torch.nn.Module) -> None:
     prefix). (A TorchScript module is refused at the export, with its scripted submodules: export/refusals.py.)"""
     inner = getattr(model, "_orig_mod", None) if type(model).__name__ == "OptimizedModule" else None
     if isinstance(inner, torch.nn.Module):
-        raise _argument_error(TypeError, "'model' must be the module to train, not torch.compile's wrapper of it", model,
+        raise argument_error(TypeError, "'model' must be the module to train, not torch.compile's wrapper of it", model,
                               f"Pass model._orig_mod (the {type(inner).__name__} it wraps): orttrainer runs the "
                               "module with ONNX Runtime in torch.compile's place.")  # fmt: skip
     if isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
-        raise _argument_error(TypeError, f"'model' must be the module to train, not a {type(model).__name__} wrapper of "
+        raise argument_error(TypeError, f"'model' must be the module to train, not a {type(model).__name__} wrapper of "
                               "it", model, f"Pass model.module (the {type(model.module).__name__} it wraps): under "
                               "torchrun, orttrainer averages the ranks' gradients itself.")  # fmt: skip
 

@@ -10,7 +10,7 @@ import copy
 from enum import IntEnum
 from math import inf
 
-from ..api._arguments import _NUMBER, _argument_error, _check_argument, _is_non_negative
+from ..argument_checks import NUMBER, argument_error, check_argument, is_non_negative
 
 _OPTIMIZER_NAMES = ("AdamOptimizer", "LambOptimizer", "SGDOptimizer")
 _DEFAULTS_KEY = {"lambda_coef": "lambda"}  # an argument (and attribute) that defaults and groups store under another key
@@ -41,19 +41,19 @@ class _OptimizerConfig:
     _mirrored = {}  # {attribute: value}: the hyper-parameters as attributes, as created (they mirror defaults)
 
     def __init__(self, name, params, defaults):
-        _check_argument(name, str, f"'name' must be one of {', '.join(_OPTIMIZER_NAMES)}",
+        check_argument(name, str, f"'name' must be one of {', '.join(_OPTIMIZER_NAMES)}",
                         "Use SGDConfig, AdamConfig or LambConfig instead of _OptimizerConfig.",
                         lambda value: value in _OPTIMIZER_NAMES)
-        _check_argument(defaults, dict, "'defaults' must be a dict with an 'lr' entry",
+        check_argument(defaults, dict, "'defaults' must be a dict with an 'lr' entry",
                         "Pass the default hyper-parameters, e.g. defaults={'lr': 0.001}.", lambda value: "lr" in value)
-        _check_argument(defaults["lr"], _NUMBER, "'lr' must be a non-negative number",
-                        "Pass a learning rate >= 0, e.g. lr=0.001.", _is_non_negative)
-        _check_argument(params, list, "'params' must be a list of dicts", f"Pass params=[] or {_GROUPS_EXAMPLE}.")
+        check_argument(defaults["lr"], NUMBER, "'lr' must be a non-negative number",
+                        "Pass a learning rate >= 0, e.g. lr=0.001.", is_non_negative)
+        check_argument(params, list, "'params' must be a list of dicts", f"Pass params=[] or {_GROUPS_EXAMPLE}.")
         completed = []  # the user's groups are never changed
         for index, group in enumerate(params):
-            _check_argument(group, dict, f"params[{index}] must be a dict with 'params' and at least one hyper-parameter",
+            check_argument(group, dict, f"params[{index}] must be a dict with 'params' and at least one hyper-parameter",
                             f"Write each group like {_GROUPS_EXAMPLE}.", lambda value: len(value) > 1 and "params" in value)
-            _check_argument(group["params"], list, f"params[{index}]['params'] must be a list of weight names",
+            check_argument(group["params"], list, f"params[{index}]['params'] must be a list of weight names",
                             f"Write each group like {_GROUPS_EXAMPLE}.", lambda value: all(isinstance(item, str) for item in value))
             _check_group_keys(group, index, name, [key for key in defaults if key != "lr" or self._GROUPS_MAY_SET_LR])
             group = {_DEFAULTS_KEY.get(key, key): value for key, value in group.items()}
@@ -107,19 +107,19 @@ class SGDConfig(_OptimizerConfig):
     def __init__(self, params=[], lr=0.001):  # noqa: B006 - legacy signature
         super().__init__("SGDOptimizer", params, {"lr": lr})
         if params:
-            raise _argument_error(ValueError, "'params' must be an empty list for SGD optimizer", params,
+            raise argument_error(ValueError, "'params' must be an empty list for SGD optimizer", params,
                                   "SGD has one set of hyper-parameters: pass params=[] and set lr only.")
 
 
 def _check_moment_settings(config_name, settings: dict):
     """The hyper-parameter checks Adam and Lamb share; ``config_name`` is the class the user called."""
     for key in ("alpha", "beta", "lambda_coef", "epsilon"):  # lr: checked by _OptimizerConfig
-        _check_argument(settings[key], _NUMBER, f"'{key}' must be a non-negative number",
-                        f"Pass {key} >= 0 to {config_name}.", _is_non_negative)
-    _check_argument(settings["max_norm_clip"], _NUMBER, "'max_norm_clip' must be a non-zero number",
+        check_argument(settings[key], NUMBER, f"'{key}' must be a non-negative number",
+                        f"Pass {key} >= 0 to {config_name}.", is_non_negative)
+    check_argument(settings["max_norm_clip"], NUMBER, "'max_norm_clip' must be a non-zero number",
                     f"Pass the gradient-norm bound to {config_name}, e.g. max_norm_clip=1.0; "
                     "to turn clipping off use the option utils.grad_norm_clip=False.", lambda value: value != 0)
-    _check_argument(settings["do_bias_correction"], bool, "'do_bias_correction' must be a bool",
+    check_argument(settings["do_bias_correction"], bool, "'do_bias_correction' must be a bool",
                     f"Pass do_bias_correction=True or False to {config_name}.")
 
 
@@ -160,7 +160,7 @@ class AdamConfig(_MomentConfig):
         do_bias_correction=True,
         weight_decay_mode=DecayMode.BEFORE_WEIGHT_UPDATE,
     ):
-        _check_argument(weight_decay_mode, AdamConfig.DecayMode, "'weight_decay_mode' must be an AdamConfig.DecayMode",
+        check_argument(weight_decay_mode, AdamConfig.DecayMode, "'weight_decay_mode' must be an AdamConfig.DecayMode",
                         "Pass AdamConfig.DecayMode.BEFORE_WEIGHT_UPDATE (PyTorch AdamW) or "
                         "AdamConfig.DecayMode.AFTER_WEIGHT_UPDATE (HuggingFace AdamW).")
         settings = dict(lr=lr, alpha=alpha, beta=beta, lambda_coef=lambda_coef, epsilon=epsilon,
@@ -186,7 +186,7 @@ class LambConfig(_MomentConfig):
         do_bias_correction=False,
     ):
         for key, value in (("ratio_min", ratio_min), ("ratio_max", ratio_max)):
-            _check_argument(value, float, f"'{key}' must be a float", f"Pass {key} as a float, e.g. {key}=1.0 rather than 1.")
+            check_argument(value, float, f"'{key}' must be a float", f"Pass {key} as a float, e.g. {key}=1.0 rather than 1.")
         settings = dict(lr=lr, alpha=alpha, beta=beta, lambda_coef=lambda_coef, ratio_min=ratio_min,
                         ratio_max=ratio_max, epsilon=epsilon, max_norm_clip=max_norm_clip,
                         do_bias_correction=do_bias_correction)  # fmt: skip

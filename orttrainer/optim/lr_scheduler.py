@@ -7,7 +7,7 @@ and returns ``[base_lr * factor]``.
 
 import math
 
-from ..api._arguments import _check_argument, _is_non_negative, _is_positive
+from ..argument_checks import check_argument, is_non_negative, is_positive
 
 
 class _LRScheduler:
@@ -33,10 +33,10 @@ class _WarmupLRScheduler(_LRScheduler):
 
     def __init__(self, total_steps, warmup):
         super().__init__()
-        _check_argument(total_steps, int, "'total_steps' must be a strict positive number",
+        check_argument(total_steps, int, "'total_steps' must be a strict positive number",
                         f"Pass the number of optimizer updates to {type(self).__name__}, e.g. total_steps=1000.",
-                        _is_positive)
-        _check_argument(warmup, float, "'warmup' must be a float between [0, 1)",
+                        is_positive)
+        check_argument(warmup, float, "'warmup' must be a float between [0, 1)",
                         "Pass the warmup as a fraction of total_steps, e.g. warmup=0.1 for the first 10% of updates.",
                         lambda value: 0 <= value < 1)
         self.total_steps = total_steps
@@ -71,9 +71,9 @@ class CosineWarmupLRScheduler(_WarmupLRScheduler):
 
     def __init__(self, total_steps, cycles=0.5, warmup=0.002):
         super().__init__(total_steps, warmup)
-        _check_argument(cycles, float, "'cycles' must be a positive float",
+        check_argument(cycles, float, "'cycles' must be a positive float",
                         "Pass the number of cosine half-periods after warmup, e.g. cycles=0.5 to decay to zero once.",
-                        _is_positive)
+                        is_positive)
         self.cycles = cycles
 
     def _factor(self, step, warmup_steps, base_lr):
@@ -96,10 +96,10 @@ class PolyWarmupLRScheduler(_WarmupLRScheduler):
 
     def __init__(self, total_steps, lr_end=1e-7, power=1.0, warmup=0.002):
         super().__init__(total_steps, warmup)
-        _check_argument(lr_end, float, "'lr_end' must be a float >= 0",
-                        "Pass the final learning rate as a float, e.g. lr_end=1e-7.", _is_non_negative)
-        _check_argument(power, float, "'power' must be a float >= 0",
-                        "Pass the decay exponent as a float, e.g. power=1.0 for a linear decay.", _is_non_negative)
+        check_argument(lr_end, float, "'lr_end' must be a float >= 0",
+                        "Pass the final learning rate as a float, e.g. lr_end=1e-7.", is_non_negative)
+        check_argument(power, float, "'power' must be a float >= 0",
+                        "Pass the decay exponent as a float, e.g. power=1.0 for a linear decay.", is_non_negative)
         self.lr_end = lr_end
         self.power = power
 

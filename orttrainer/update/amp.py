@@ -1,6 +1,6 @@
 """Loss scalers for mixed-precision training (legacy ``amp.loss_scaler`` semantics)."""
 
-from ..api._arguments import _NUMBER, _check_argument, _is_positive
+from ..argument_checks import NUMBER, check_argument, is_positive
 
 
 class LossScaler:
@@ -18,8 +18,8 @@ class LossScaler:
 
     @staticmethod
     def _check_scale(loss_scale):
-        _check_argument(loss_scale, _NUMBER, "'loss_scale' must be a positive number",
-                        "Pass a number > 0, e.g. loss_scale=65536.0 (2**16).", _is_positive)
+        check_argument(loss_scale, NUMBER, "'loss_scale' must be a positive number",
+                        "Pass a number > 0, e.g. loss_scale=65536.0 (2**16).", is_positive)
 
     @property
     def input_name(self):
@@ -27,7 +27,7 @@ class LossScaler:
 
     @input_name.setter
     def input_name(self, input_name):
-        _check_argument(input_name, (str, type(None)), "'input_name' must be a string",
+        check_argument(input_name, (str, type(None)), "'input_name' must be a string",
                         "Assign the name of the graph input that carries the loss scale (the trainer sets it).")
         self._input_name = input_name
 
@@ -71,13 +71,13 @@ class DynamicLossScaler(LossScaler):
         max_loss_scale=float(1 << 24),
     ):
         super().__init__(loss_scale)
-        _check_argument(automatic_update, bool, "'automatic_update' must be a bool",
+        check_argument(automatic_update, bool, "'automatic_update' must be a bool",
                         "Pass automatic_update=True (dynamic scaling) or False (a static loss scale).")
-        _check_argument(up_scale_window, int, "'up_scale_window' must be a positive int",
-                        "Pass the number of finite steps before the scale doubles, e.g. up_scale_window=2000.", _is_positive)
-        _check_argument(min_loss_scale, _NUMBER, "'min_loss_scale' must be positive",
-                        "Pass the smallest scale to fall back to, e.g. min_loss_scale=1.0.", _is_positive)
-        _check_argument(max_loss_scale, _NUMBER, f"'max_loss_scale' must be at least 'min_loss_scale' ({min_loss_scale})",
+        check_argument(up_scale_window, int, "'up_scale_window' must be a positive int",
+                        "Pass the number of finite steps before the scale doubles, e.g. up_scale_window=2000.", is_positive)
+        check_argument(min_loss_scale, NUMBER, "'min_loss_scale' must be positive",
+                        "Pass the smallest scale to fall back to, e.g. min_loss_scale=1.0.", is_positive)
+        check_argument(max_loss_scale, NUMBER, f"'max_loss_scale' must be at least 'min_loss_scale' ({min_loss_scale})",
                         "Pass max_loss_scale >= min_loss_scale, e.g. max_loss_scale=16777216.0 (2**24).",
                         lambda value: value >= min_loss_scale)
         self.automatic_update = automatic_update

@@ -1,6 +1,6 @@
 """TrainStepInfo: the legacy per-step record the trainer hands LR schedulers and loss scalers."""
 
-from ..api._arguments import _check_argument, _is_non_negative
+from ..argument_checks import check_argument, is_non_negative
 from ..optim.config import _OptimizerConfig
 
 
@@ -9,15 +9,15 @@ class TrainStepInfo:
 
     def __init__(self, optimizer_config, all_finite=True, fetches=None, optimization_step=0, step=0):
         fetches = [] if fetches is None else fetches
-        _check_argument(optimizer_config, _OptimizerConfig, "optimizer_config must be an optim config",
+        check_argument(optimizer_config, _OptimizerConfig, "optimizer_config must be an optim config",
                         "Pass the trainer's optim_config, e.g. optim.SGDConfig(lr=0.1).")
-        _check_argument(all_finite, bool, "all_finite must be a bool", "Pass all_finite=True or False.")
-        _check_argument(fetches, list, "fetches must be a list of str", "Pass output names, e.g. fetches=['loss'].")
+        check_argument(all_finite, bool, "all_finite must be a bool", "Pass all_finite=True or False.")
+        check_argument(fetches, list, "fetches must be a list of str", "Pass output names, e.g. fetches=['loss'].")
         for index, name in enumerate(fetches):
-            _check_argument(name, str, f"fetches[{index}] must be a str", "Pass output names, e.g. fetches=['loss'].")
+            check_argument(name, str, f"fetches[{index}] must be a str", "Pass output names, e.g. fetches=['loss'].")
         for key, value in (("optimization_step", optimization_step), ("step", step)):
-            _check_argument(value, int, f"{key} must be an int >= 0", f"Pass a count of steps, e.g. {key}=0.",
-                            _is_non_negative)
+            check_argument(value, int, f"{key} must be an int >= 0", f"Pass a count of steps, e.g. {key}=0.",
+                            is_non_negative)
         self.optimizer_config = optimizer_config
         self.all_finite = all_finite
         self.fetches = fetches

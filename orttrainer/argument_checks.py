@@ -1,7 +1,7 @@
 """Argument checks the public constructors share: a TypeError for a wrong type, a ValueError
 for a wrong value, each naming what was expected, what was given and what to do."""
 
-_NUMBER = (int, float)
+NUMBER = (int, float)
 
 
 def _is_instance(value, kinds) -> bool:
@@ -10,11 +10,11 @@ def _is_instance(value, kinds) -> bool:
     return isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool))
 
 
-def _is_non_negative(value) -> bool:
+def is_non_negative(value) -> bool:
     return value >= 0
 
 
-def _is_positive(value) -> bool:
+def is_positive(value) -> bool:
     return value > 0
 
 
@@ -25,18 +25,18 @@ def _shown(value) -> str:
     return text if value is None else f"{type(value).__name__} {text}"
 
 
-def _argument_error(error_type, message, value, fix):
+def argument_error(error_type, message, value, fix):
     """``error_type('<message>, got <value>. <fix>')``: what was expected, what was given, what to do."""
     return error_type(f"{message}, got {_shown(value)}. {fix}")
 
 
-def _check_argument(value, kinds, message, fix, is_valid=None):
+def check_argument(value, kinds, message, fix, is_valid=None):
     """Raise TypeError when ``value`` is not one of ``kinds``, ValueError when ``is_valid`` rejects it.
 
     ``message`` says what the argument must be (the legacy assertion text); the error
     adds the value given and ``fix``.
     """
     if not _is_instance(value, kinds):
-        raise _argument_error(TypeError, message, value, fix)
+        raise argument_error(TypeError, message, value, fix)
     if is_valid is not None and not is_valid(value):
-        raise _argument_error(ValueError, message, value, fix)
+        raise argument_error(ValueError, message, value, fix)
