@@ -77,7 +77,7 @@ class ORTTrainer:
         self._check_failure = None  # on several ranks, this rank's TorchMismatchError until the window ends
         if self._world.is_distributed:
             self._data_parallel = distributed.join(self._world, self.options.distributed, self._device)
-        if self.options.mixed_precision.enabled and self.options.mixed_precision.loss_scaler is None:
+        if amp.scales_loss(self.options.mixed_precision) and self.options.mixed_precision.loss_scaler is None:
             self.options.mixed_precision.loss_scaler = amp.DynamicLossScaler()
         self._graphs = None  # a torch model's graphs, one per batch shape signature that needs its own
         if self._torch_model is not None:
@@ -188,6 +188,7 @@ class ORTTrainer:
         """The batch's forward and backward: its gradients summed into the window's (``_gradients.sums``), BatchNorm
         statistics updated; returns (the outputs as train_step returns them, whether the window ends, its size)."""
         self._refuse_setting_edits()
+        amp.refuse_other_autocast(self.options.mixed_precision, self._device, "train_step")
         inputs = self._ensure_initialized(args, kwargs)
         self._refuse_module_edits(training=True)
         requested = requested_outputs(self.model_desc, self._train_step_info.fetches)
@@ -250,10 +251,10 @@ class ORTTrainer:
             warnings.warn("debug.check_against_torch skipped: a float16 (mixed precision) graph with dropout cannot turn it off")
             return
         output_names = [entry.name for entry in self.model_desc.outputs]
-        run_torch = functools.partial(verify.torch_step, reference.module, self.loss_fn, reference.forward_names, inputs,
-                                      output_names=output_names, loss_name=self.model_desc.loss_output.name,
-                                      trained=list(self._gradients.sums), constants=reference.constants,
-                                      projected=reference.projected)  # fmt: skip
+        run_torch = self._as_the_graphs_compute(functools.partial(
+            verify.torch_step, reference.module, self.loss_fn, reference.forward_names, inputs, output_names=output_names,
+            loss_name=self.model_desc.loss_output.name, trained=list(self._gradients.sums), constants=reference.constants,
+            projected=reference.projected))  # fmt: skip
         torch_result = reference.step_on(runtime.weights, inputs, run_torch)
         bound_before, gradients = self._gradients.bound, gradient_buffers
         is_the_step = dropout.DROPOUT_SCALE_INPUT not in runtime.train_session.input_names
@@ -335,6 +336,7 @@ class ORTTrainer:
     def eval_step(self, *args, **kwargs):
         """Forward only, in inference mode (dropout off, BatchNorm on running statistics)."""
         self._refuse_setting_edits()
+        amp.refuse_other_autocast(self.options.mixed_precision, self._device, "eval_step")
         inputs = self._ensure_initialized(args, kwargs)
         if self._runtime.reference is not None:  # built by an eval_step: the weights may be written before a train_step
             self._runtime.reference.weights_written = True
@@ -352,16 +354,22 @@ class ORTTrainer:
         runtime = self._runtime
         reference, runtime.eval_reference = runtime.eval_reference, None
         output_names = [entry.name for entry in self.model_desc.outputs]
-        run_torch = functools.partial(verify.torch_eval, reference.module, self.loss_fn, reference.forward_names, inputs,
-                                      output_names=output_names, constants=reference.constants)  # fmt: skip
+        run_torch = self._as_the_graphs_compute(functools.partial(
+            verify.torch_eval, reference.module, self.loss_fn, reference.forward_names, inputs, output_names=output_names,
+            constants=reference.constants))  # fmt: skip
         ort = verify.StepResult(dict(zip(output_names, outputs)), {})
         where = graph_errors.where_in_graph(runtime.onnx_model, output_names)
         mode = self.options.debug.check_against_torch
         verify.check(ort, run_torch, runtime.weights, self._checked_dtype(), where, mode, subject=verify.FIRST_EVAL)
 
+    def _as_the_graphs_compute(self, run_torch):
+        """``run_torch`` (torch's side of a check) in the precision the graphs compute in: under torch.autocast for
+        bfloat16 mixed precision, whose policy the graphs were traced with."""
+        return amp.under_torch_autocast(self.options.mixed_precision, self._device, run_torch)
+
     def _checked_dtype(self):
         """The dtype ONNX Runtime computed in, which sets the checks' tolerance (verify.compare)."""
-        return torch.float16 if self.options.mixed_precision.enabled else torch.float32
+        return amp.compute_dtype(self.options.mixed_precision)
 
     # ------------------------------------------------------------- state dict
     def state_dict(self, pytorch_format=False):

@@ -515,13 +515,6 @@ class Checkpointed(nn.Module):
         return self.out(torch.utils.checkpoint.checkpoint(lambda h: torch.tanh(self.fc(h)), x, use_reentrant=self.reentrant))
 
 
-class AutocastInForward(MLP):
-    def forward(self, x):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            hidden = self.fc1(x)
-        return self.head(F.gelu(self.fc2(torch.relu(hidden.float()))))
-
-
 class Lazy(nn.Module):
     def __init__(self):
         super().__init__()
@@ -542,12 +535,10 @@ def _scripted_mlp(whole):
 @pytest.mark.parametrize("make, error, message", [
     (Checkpointed, ExportError, r"unordered_map::at\. torch's exporter fails this way on "
                                 r"torch.utils.checkpoint\(\.\.\., use_reentrant=True\).*pass use_reentrant=False"),
-    (AutocastInForward, GradientBuildError, r"no CPU kernel for Gemm .*module 'fc1'\); the graph casts to bfloat16 "
-                                            r"\(torch.autocast inside forward\?\)"),
     (Lazy, ExportError, r"module 'fc' \(LazyLinear\) creates its parameters at its first forward: run the model once"),
     (lambda: _scripted_mlp(whole=False), ExportError, r"module 'fc2' is a torch.jit.script module"),
     (lambda: _scripted_mlp(whole=True), ExportError, r"module 'MLP' is a torch.jit.script module"),
-], ids=["reentrant-checkpoint", "bfloat16-autocast", "lazy-module", "scripted-submodule", "scripted-model"])  # fmt: skip
+], ids=["reentrant-checkpoint", "lazy-module", "scripted-submodule", "scripted-model"])  # fmt: skip
 def test_modules_the_exporter_or_runtime_fail_on_are_refused_saying_what_to_change(make, error, message):
     trainer = ORTTrainer(make(), None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
     with pytest.raises(error, match=message):

@@ -22,6 +22,7 @@ MIN_OPSET = 12
 MAX_OPSET = 20  # the TorchScript exporter's highest opset in torch 2.13
 CHECK_MODES = ("error", "warn", "off")  # debug.check_against_torch
 CONVOLUTION_KERNELS = ("auto", "torch", "onnxruntime")  # utils.convolution_kernels
+MIXED_PRECISION_DTYPES = (torch.float16, torch.bfloat16)  # mixed_precision.dtype
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,8 @@ _SCHEMA = {
         "enabled": _Option(bool, False),
         "loss_scaler": _Option(amp.LossScaler, None, nullable=True,
                                hint="orttrainer.amp.DynamicLossScaler() takes the place of torch's GradScaler"),
+        # orttrainer's own: float16 (the legacy route, loss scaled) or bfloat16 (torch.autocast's, no loss scale)
+        "dtype": _Option(torch.dtype, torch.float16, check=lambda value: None if value in MIXED_PRECISION_DTYPES else f"must be one of {list(MIXED_PRECISION_DTYPES)}, got {value!r}"),
     },
     "graph_transformer": {
         "attn_dropout_recompute": _Option(bool, False),
@@ -158,7 +161,8 @@ IGNORED_OPTIONS = {
     "_internal_use.enable_onnx_contrib_ops": "orttrainer always exports with its own symbolic functions",
 }
 
-_TYPE_NAMES = {bool: "boolean", int: "integer", str: "string", list: "list", dict: "dict", Callable: "callable"}
+_TYPE_NAMES = {bool: "boolean", int: "integer", str: "string", list: "list", dict: "dict", Callable: "callable",
+               torch.dtype: "torch.dtype"}
 
 
 def _type_error(option: _Option, value) -> Optional[str]:
@@ -243,10 +247,21 @@ class ORTTrainerOptions(_OptionGroup):
         self._original_opts = _copy_tree(options) if options is not None else {}  # the caller's dict is never changed
         errors: list = []
         self._validated_opts = _normalize(_SCHEMA, self._original_opts, "", errors)
+        errors += _conflicts(self._validated_opts)
         if errors:
             raise ValueError("Invalid options: " + "; ".join(errors))
         super().__init__(self._validated_opts, _SCHEMA)
         _warn_ignored(self)
+
+
+def _conflicts(values: dict) -> list:
+    """'path: reason' errors of options valid one by one but not together."""
+    mixed_precision = values.get("mixed_precision", {})
+    if mixed_precision.get("dtype") == torch.bfloat16 and mixed_precision.get("loss_scaler") is not None:
+        return ["mixed_precision.loss_scaler: must be None with mixed_precision.dtype torch.bfloat16 (bfloat16 has "
+                "float32's range: its gradients are not scaled, as under torch.autocast), got "
+                f"{type(mixed_precision['loss_scaler']).__name__}"]
+    return []
 
 
 # Options read at every step, or only by the built-in check and for debug files: they may change between steps

@@ -39,11 +39,11 @@ from . import as_trained, forward_effects
 # floor of 1% of it times the largest magnitude of that kind of tensor in the whole
 # model (a gradient that is zero in exact arithmetic, like a conv bias before BatchNorm,
 # is rounding noise on both sides).
-_TOLERANCE = {torch.float32: 1e-3, torch.float16: 3e-2}
+_TOLERANCE = {torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 1e-1}
 # How far rounding alone moves torch's result (``rounding_spread``): weights nudged by this
 # relative amount (about the forward error of a float32 / float16 graph), the largest move over
 # a few nudges, with a safety factor.
-_NUDGE = {torch.float32: 1e-5, torch.float16: 1e-3}
+_NUDGE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 _NUDGE_TRIALS = 3
 _SPREAD_FACTOR = 4.0
 _HOW_TO_CHANGE = (

@@ -25,11 +25,13 @@ import torch
 from onnx import numpy_helper
 
 from ..graph import (
-    convolution_work, cpu_kernels, defined_gradients, dropout, eval_graph, float16, graph_edits, graph_errors, index_ranges,
+    bfloat16, convolution_work, cpu_kernels, defined_gradients, dropout, eval_graph, float16, graph_edits, graph_errors,
+    index_ranges,
     outputs_for_trainer, recompute, rewrites, tensor_facts, training_graph,
 )
 from ..export import as_trained, refusals, trace, verify
 from .. import progress
+from ..update import amp
 from . import session, torch_convolutions
 from ..api.model_desc import _ORTTrainerModelDesc, forward_keywords, forward_parameters, infer_model_desc
 
@@ -228,7 +230,7 @@ class TorchSource:
         A branch on the values themselves is refused by every export (``exporter_warnings.ValuesTurnedPython``).
         """
         with progress.phase(f"exported {self.described} at {[list(tensor.shape) for tensor in inputs]}"), \
-                as_trained.as_trained(self.module):
+                as_trained.as_trained(self.module), amp.torch_autocast(self.options.mixed_precision, self.device):
             return self._export(input_names, inputs, constants, compared_only)
 
     def _export(self, input_names, inputs, constants, compared_only) -> TorchExport:
@@ -247,6 +249,8 @@ class TorchSource:
                 constants=constants, loss_index=loss_index,
             )  # fmt: skip
         recompute.mark_checkpointed(onnx_model, checkpointed)
+        if bfloat16.casts_to_bfloat16(onnx_model):  # traced under torch.autocast
+            onnx_model = bfloat16.compute_in_float32(onnx_model)
         state = {name: tensor.detach() for name, tensor in module.state_dict(keep_vars=True).items()}
         return TorchExport(batch, dict(constants), desc, outputs, state, onnx_model, lookups, trace_facts)
 
@@ -309,7 +313,8 @@ def _torch_reference(source, exported) -> verify.Reference:
         progress.say_once(f"the first-step check compares each gradient by {verify._PROJECTIONS} random projections "
                           f"(weights over {verify.FULL_CHECK_BYTES // 2**20} MiB: a second full set of gradients would "
                           "not fit in the memory torch's loop takes); outputs and buffers element by element")  # fmt: skip
-    step = verify.torch_step(source.module, source.loss_fn, source.forward_names, exported.inputs, exported.state,
+    torch_step = amp.under_torch_autocast(source.options.mixed_precision, source.device, verify.torch_step)
+    step = torch_step(source.module, source.loss_fn, source.forward_names, exported.inputs, exported.state,
                              output_names=[entry.name for entry in desc.outputs], loss_name=desc.loss_output.name,
                              trained=list(parameters), constants=exported.constants, projected=projected)  # fmt: skip
     batch_digests = [verify.tensor_digest(tensor) for tensor in exported.inputs]
@@ -459,6 +464,10 @@ def from_onnx(model: onnx.ModelProto, options, model_desc, device, providers, da
     """An ONNX forward+loss model (the trainer's own copy): float initializers that reach the loss are
     trained, unless frozen or BatchNorm statistics. ``model_desc`` None: the graph's inputs and outputs,
     the first output the loss."""
+    if amp.compute_dtype(options.mixed_precision) == torch.bfloat16:
+        raise ValueError("options mixed_precision.dtype torch.bfloat16 trains a torch.nn.Module, whose forward is traced "
+                         "under torch.autocast (its policy chooses what computes in bfloat16); an ONNX model has no such "
+                         "policy: pass the torch module, or use mixed_precision.dtype torch.float16")
     graph_edits.name_unnamed_nodes(model.graph)
     model_desc = model_desc or _model_desc_of(model)
     frozen_names = set(options.utils.frozen_weights)
@@ -493,7 +502,7 @@ def _build(onnx_model, model_desc, weights, trainable, options, device, provider
     the same (then all start from rank 0's weights). ``sample_shapes``: {input: shape} of the batch
     the graph is built at, when there is one."""
     frozen = [name for name in weights if name not in trainable]
-    mixed_precision = options.mixed_precision.enabled
+    mixed_precision = amp.scales_loss(options.mixed_precision)  # float16; a bfloat16 graph computes in float32 (bfloat16.py)
     one_thread = device.type == "cpu" and convolution_work.small_convolutions_dominate(onnx_model, facts)
     convolutions = _convolutions_on_torch(options, device, onnx_model, sample_shapes or {})
     nodes = onnx_model.graph.node

@@ -1,6 +1,57 @@
-"""Loss scalers for mixed-precision training (legacy ``amp.loss_scaler`` semantics)."""
+"""Loss scalers for mixed-precision training (legacy ``amp.loss_scaler`` semantics), and what the option group
+``mixed_precision`` chooses: the dtype the graphs compute in, and whether its loss is scaled."""
+
+import contextlib
+
+import torch
 
 from ..argument_checks import NUMBER, check_argument, is_positive
+
+
+def compute_dtype(mixed_precision) -> torch.dtype:
+    """The dtype the option group ``mixed_precision`` has the graphs compute in: float32 unless enabled."""
+    return mixed_precision.dtype if mixed_precision.enabled else torch.float32
+
+
+def scales_loss(mixed_precision) -> bool:
+    """Whether the option group ``mixed_precision`` trains the legacy way: in float16, its loss scaled by the loss
+    scaler (bfloat16 has float32's range and needs no scale, as under torch.autocast)."""
+    return compute_dtype(mixed_precision) == torch.float16
+
+
+def torch_autocast(mixed_precision, device: torch.device):
+    """The context torch's side runs in to compute as the graphs do (export, the first-step check): torch.autocast
+    with bfloat16 on ``device`` for bfloat16 mixed precision, nothing else otherwise."""
+    if compute_dtype(mixed_precision) != torch.bfloat16:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def under_torch_autocast(mixed_precision, device: torch.device, function):
+    """``function`` run inside ``torch_autocast(mixed_precision, device)`` at each call."""
+
+    def run(*args, **kwargs):
+        with torch_autocast(mixed_precision, device):
+            return function(*args, **kwargs)
+
+    return run
+
+
+def refuse_other_autocast(mixed_precision, device: torch.device, call: str) -> None:
+    """Refuse ``call`` (train_step, eval_step) inside an active torch.autocast on ``device``'s type whose dtype is
+    not the one the graphs compute in: torch would compute in that dtype, the graphs would not. Under
+    torch.autocast with bfloat16 and the bfloat16 option, the graphs compute as torch does."""
+    if not torch.is_autocast_enabled(device.type):
+        return
+    active = torch.get_autocast_dtype(device.type)
+    if mixed_precision.enabled and active == mixed_precision.dtype == torch.bfloat16:
+        return
+    raise ValueError(
+        f"orttrainer: {call} inside torch.autocast('{device.type}', dtype={active}), where the graphs compute in "
+        f"{compute_dtype(mixed_precision)} (options mixed_precision): torch.autocast does not reach ONNX Runtime. "
+        "Call it outside torch.autocast; to train as torch.autocast with bfloat16 does, set "
+        "ORTTrainerOptions({'mixed_precision': {'enabled': True, 'dtype': torch.bfloat16}})"
+    )
 
 
 class LossScaler:

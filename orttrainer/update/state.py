@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import checkpoint, distributed
+from . import amp, checkpoint, distributed
 
 
 @dataclass
@@ -62,7 +62,7 @@ class TrainerState:
             "model": {"full_precision": {name: tensor.numpy() for name, tensor in self.model(copies).items()}},
             "optimizer": _to_numpy(self.optimizer.state_dict(), copies),
             "trainer_options": {
-                "mixed_precision": self.options.mixed_precision.enabled,
+                "mixed_precision": amp.scales_loss(self.options.mixed_precision),  # legacy: float16, loss scaled
                 "zero_stage": settings.deepspeed_zero_optimization.stage,
                 "world_rank": settings.world_rank,
                 "world_size": settings.world_size,
@@ -92,7 +92,7 @@ class TrainerState:
 
     def _loss_scaler_state(self) -> dict:
         mixed_precision = self.options.mixed_precision
-        return {"loss_scaler": mixed_precision.loss_scaler.state_dict()} if mixed_precision.enabled else {}
+        return {"loss_scaler": mixed_precision.loss_scaler.state_dict()} if amp.scales_loss(mixed_precision) else {}
 
     def restore(self, state: dict, strict: bool) -> int:
         """Check all of ``state`` against the trainer's, then apply it; return the dropout seed to use.
@@ -118,7 +118,7 @@ class TrainerState:
                 for key, value in entry.items():
                     _copy_into(live_optimizer[name][key], value)
             self.optimizer.load_state_dict(live_optimizer)  # the counters (a moment copied onto itself: a no-op)
-        if state.get("loss_scaler") is not None and self.options.mixed_precision.enabled:
+        if state.get("loss_scaler") is not None and amp.scales_loss(self.options.mixed_precision):
             self.options.mixed_precision.loss_scaler.load_state_dict(state["loss_scaler"])
         return self._restore_step_info(state.get("train_step_info"))
 
@@ -184,7 +184,7 @@ class TrainerState:
         saved_steps = state.get("train_step_info", {}).get("gradient_accumulation_steps")
         steps = self.options.batch.gradient_accumulation_steps
         saved_mixed = state.get("trainer_options", {}).get("mixed_precision")
-        mixed = self.options.mixed_precision.enabled
+        mixed = amp.scales_loss(self.options.mixed_precision)
         problems = []
         if saved_steps is not None and int(saved_steps) != steps:
             problems.append(f"batch.gradient_accumulation_steps was {int(saved_steps)} there, {steps} here")
