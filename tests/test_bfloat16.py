@@ -57,13 +57,15 @@ class AutocastInForward(MLP):
         return self.head(F.gelu(self.fc2(torch.relu(hidden.to(x.dtype)))))
 
 
-def test_autocast_inside_forward_trains_as_torch_in_float32_options():
+@pytest.mark.parametrize("options", [{}, BFLOAT16], ids=["float32", "bfloat16"])
+def test_autocast_inside_forward_trains_as_torch(options):
     """torch.autocast inside forward is traced like the option's: its bfloat16 ops run in float32 between casts (it
-    was refused for want of a bfloat16 Gemm kernel)."""
+    was refused for want of a bfloat16 Gemm kernel); under the option's autocast too."""
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1)
     run_parity(AutocastInForward(), [mlp_batch(generator=generator) for _ in range(3)], optim.SGDConfig(lr=LR), sgd,
-               loss_fn=F.cross_entropy, float64=True)  # fmt: skip
+               loss_fn=F.cross_entropy, options=cpu_options(options),
+               reference_loss=autocast_loss(F.cross_entropy) if options else None, float64=True)  # fmt: skip
 
 
 def first_losses(model, batch, options, lr=LR):
