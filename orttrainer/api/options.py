@@ -99,7 +99,8 @@ _SCHEMA = {
         "loss_scaler": _Option(amp.LossScaler, None, nullable=True,
                                hint="orttrainer.amp.DynamicLossScaler() takes the place of torch's GradScaler"),
         # orttrainer's own: float16 (the legacy route, loss scaled) or bfloat16 (torch.autocast's, no loss scale)
-        "dtype": _Option(torch.dtype, torch.float16, check=lambda value: None if value in MIXED_PRECISION_DTYPES else f"must be one of {list(MIXED_PRECISION_DTYPES)}, got {value!r}"),
+        "dtype": _Option(torch.dtype, torch.float16, check=lambda value: None if value in MIXED_PRECISION_DTYPES
+                         else f"must be one of {list(MIXED_PRECISION_DTYPES)}, got {value!r}"),  # fmt: skip
     },
     "graph_transformer": {
         "attn_dropout_recompute": _Option(bool, False),
