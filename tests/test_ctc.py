@@ -20,6 +20,7 @@ from parity import assert_within_float32_error, cpu_options, float64_batch, run_
 
 from orttrainer import ORTTrainer, optim
 from orttrainer.graph import training_graph
+from orttrainer.graph.nodes_for_torch import CTC_GRADIENT, CTC_LOSS
 from orttrainer.runtime import torch_ctc
 from orttrainer.graph.graph_errors import GradientBuildError
 from orttrainer.runtime.torch_convolutions import SplitSession
@@ -110,7 +111,7 @@ def test_ctc_model_trains_like_torch(name):
     empty: every step's loss and weights as torch's; both CTC nodes run on torch."""
     settings, batch_settings = CASES[name]
     trainer, _, _ = _train(Recognizer(**settings), _batches(**batch_settings))
-    assert _ctc_nodes_on_torch(trainer) == {torch_ctc.CTC_LOSS, torch_ctc.CTC_GRADIENT}
+    assert _ctc_nodes_on_torch(trainer) == {CTC_LOSS, CTC_GRADIENT}
 
 
 class UnbatchedRecognizer(nn.Module):
@@ -162,9 +163,9 @@ def test_the_steps_are_torchs_kernel_to_the_bit(reduction, zero_infinity):
     values = {"log_probs": log_probs, "targets": targets, "input_lengths": torch.tensor([5, 4, 1, 2]),
               "target_lengths": torch.tensor([3, 3, 0, 2]), "blank": torch.tensor(0), "reduction": torch.tensor(reduction),
               "zero_infinity": torch.tensor(zero_infinity)}  # fmt: skip
-    forward = onnx.helper.make_node("ATen", list(values), ["loss"], "ctc", domain="org.pytorch.aten", operator=torch_ctc.CTC_LOSS)
+    forward = onnx.helper.make_node("ATen", list(values), ["loss"], "ctc", domain="org.pytorch.aten", operator=CTC_LOSS)
     backward = onnx.helper.make_node("ATen", ["loss", "loss_grad"], ["log_probs_grad"], "ctc_grad", domain="org.pytorch.aten",
-                                     operator=torch_ctc.CTC_GRADIENT)  # fmt: skip
+                                     operator=CTC_GRADIENT)  # fmt: skip
     assert torch_ctc.torch_nodes([forward, backward]) == {"ctc", "ctc_grad"}
     assert torch_ctc.recorded([forward, backward]) == {"ctc"}, "a forward whose loss the placeholder reads runs recorded"
     recordings = {}
@@ -304,7 +305,7 @@ def test_wav2vec2_for_ctc_trains_like_torch(config, unreachable, frozen):
     trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.05), options=cpu_options())
     *batches, eval_batch = _speech_batches([2, 3, 2, 3], unreachable=unreachable)
     train_keywords_like_torch(trainer, reference, reference64, batches, 0.05, _compare_loss_and_logits)
-    assert _ctc_nodes_on_torch(trainer) == {torch_ctc.CTC_LOSS, torch_ctc.CTC_GRADIENT}
+    assert _ctc_nodes_on_torch(trainer) == {CTC_LOSS, CTC_GRADIENT}
     reference.eval()
     reference64.eval()
     with torch.no_grad():

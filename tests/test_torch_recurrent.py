@@ -22,7 +22,8 @@ from orttrainer import ORTTrainer, optim
 from orttrainer.runtime import torch_ops
 from orttrainer.graph.graph_errors import GradientBuildError
 from orttrainer.runtime.torch_convolutions import SplitSession
-from orttrainer.runtime.torch_recurrent import GRU, LSTM, RNN, onnx_parameter_gradients, recurrent, torch_parameters
+from orttrainer.graph.nodes_for_torch import GRU, LSTM, RNN
+from orttrainer.runtime.torch_recurrent import onnx_parameter_gradients, recurrent, torch_parameters
 
 
 class Tagger(nn.Module):

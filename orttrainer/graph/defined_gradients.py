@@ -27,7 +27,7 @@ from collections import defaultdict
 import onnx
 from onnxruntime.capi import _pybind_state as _ort
 
-from ..runtime import torch_ctc, torch_recurrent
+from . import nodes_for_torch
 from .graph_edits import remove_unused
 from .graph_errors import GradientBuildError, describe_node
 from .rewrites import (
@@ -99,10 +99,10 @@ def _arc_sine_gradient(sign: str) -> list:
 # An RNN's gradient: one placeholder node that torch's autograd runs in a split session (torch_recurrent.py), reading
 # the forward's inputs, its Y_h (which pairs the two) and the gradients of Y and Y_h
 _RNN_GRADIENT = [
-    ((torch_recurrent.RNN.backward, torch_recurrent.ATEN_DOMAIN),
+    ((nodes_for_torch.RNN.backward, nodes_for_torch.ATEN_DOMAIN),
      ["I(0)", "I(1)", "I(2)", "I(3)", "I(4)", "I(5)", "O(1)", "GO(0)", "GO(1)"],
      ["GI(0)", "GI(1)", "GI(2)", "GI(3)", "GI(5)"],
-     {"operator": {"value": torch_recurrent.RNN_GRADIENT, "dtype": "string"}}),
+     {"operator": {"value": nodes_for_torch.RNN_GRADIENT, "dtype": "string"}}),
 ]  # fmt: skip
 
 GRADIENT_DEFINITIONS = {"HardSwish": _HARD_SWISH_GRADIENT, "HardSigmoid": _HARD_SIGMOID_GRADIENT, "Atan": _ATAN_GRADIENT,
@@ -111,12 +111,12 @@ GRADIENT_DEFINITIONS = {"HardSwish": _HARD_SWISH_GRADIENT, "HardSigmoid": _HARD_
 # A CTC loss's gradient: one placeholder node that torch's autograd runs in a split session (torch_ctc.py), reading the
 # loss (which pairs it with its forward) and the loss's gradient, writing log_probs'
 _CTC_GRADIENT = [
-    (("ATen", torch_recurrent.ATEN_DOMAIN), ["O(0)", "GO(0)"], ["GI(0)"],
-     {"operator": {"value": torch_ctc.CTC_GRADIENT, "dtype": "string"}}),
+    (("ATen", nodes_for_torch.ATEN_DOMAIN), ["O(0)", "GO(0)"], ["GI(0)"],
+     {"operator": {"value": nodes_for_torch.CTC_GRADIENT, "dtype": "string"}}),
 ]  # fmt: skip
 
 # for ATen nodes, by their ``operator`` (the builder looks an ATen node's gradient up by operator and overload name)
-ATEN_GRADIENT_DEFINITIONS = {torch_ctc.CTC_LOSS: _CTC_GRADIENT}
+ATEN_GRADIENT_DEFINITIONS = {nodes_for_torch.CTC_LOSS: _CTC_GRADIENT}
 
 _registered = set()
 
@@ -140,7 +140,7 @@ def _attribute_definition(name: str, value: dict):
 def register_gradient_definitions() -> None:
     """Give the gradient builder the definitions above (once per process)."""
     keys = {f"::{op_type}": nodes for op_type, nodes in GRADIENT_DEFINITIONS.items()}
-    keys |= {f"{torch_recurrent.ATEN_DOMAIN}::ATen::{operator}::": nodes for operator, nodes in ATEN_GRADIENT_DEFINITIONS.items()}
+    keys |= {f"{nodes_for_torch.ATEN_DOMAIN}::ATen::{operator}::": nodes for operator, nodes in ATEN_GRADIENT_DEFINITIONS.items()}
     for key, nodes in keys.items():
         if key not in _registered:
             _ort.register_gradient_definition(key, [_node_definition(*node) for node in nodes])

@@ -31,7 +31,7 @@ from .graph_edits import (
 from .graph_errors import GradientBuildError, describe_node, module_path, node_error
 from .outputs_for_trainer import expose_running_statistics, split_embedding_lookups, written_buffers
 from .tensor_facts import TensorFacts, infer_tensor_facts
-from ..runtime import torch_ctc, torch_recurrent
+from . import nodes_for_torch
 
 
 # How many outputs an op must expose for its gradient builder to find what it needs.
@@ -80,13 +80,13 @@ def refuse_recurrent_layers_onnx_runtime_cannot_train(model: onnx.ModelProto) ->
     refuse_ctc_losses(model, f"{_CTC_ON_TORCH}, and this one cannot be split (it holds control flow, or an output no node "
                              "computes)")  # fmt: skip
     for node in model.graph.node:
-        if torch_recurrent.kind_of(node) is torch_recurrent.RNN and node.op_type == torch_recurrent.RNN.backward:
+        if nodes_for_torch.kind_of(node) is nodes_for_torch.RNN and node.op_type == nodes_for_torch.RNN.backward:
             forward = node.name.split("_Grad/")[0]
             where = f", module '{module_path(forward)}'" if module_path(forward) else ""
             raise GradientBuildError(f"RNN (node '{forward}'{where}): this graph cannot be split for torch's kernels (it "
                                      f"holds control flow, or an output no node computes){_RNN_HINT}")  # fmt: skip
         if node.op_type in ("LSTMTraining", "GRUTraining"):
-            direction = torch_recurrent.direction(node)
+            direction = nodes_for_torch.direction(node)
             if direction != "forward":
                 raise GradientBuildError(
                     f"{describe_node(node)}: a {direction} {node.op_type[:-len('Training')]} trains only on torch's kernels "
@@ -100,7 +100,7 @@ def refuse_ctc_losses(model: onnx.ModelProto, why: str, error=None) -> None:
     """Raise ``error`` (GradientBuildError by default) naming the first CTC loss in ``model`` (ONNX Runtime has none,
     torch_ctc.py), followed by ``why`` it cannot be run here."""
     for node in model.graph.node:
-        if torch_ctc.is_forward(node):
+        if nodes_for_torch.is_ctc_loss(node):
             where = f", module '{module_path(node.name)}'" if module_path(node.name) else ""
             raise (error or GradientBuildError)(f"ctc_loss (node '{node.name}'{where}): ONNX Runtime has no CTC loss; {why}")
 
@@ -200,7 +200,7 @@ _RNN_HINT = (" (an RNN trains on torch's kernels only, which orttrainer uses on 
 
 def _torch_trains_rnn(node: onnx.NodeProto) -> bool:
     """An RNN node torch's kernels compute, with its six inputs (its gradient's definition reads them by position)."""
-    return node.op_type == "RNN" and len(node.input) == 6 and torch_recurrent.torch_can_run(node)
+    return node.op_type == "RNN" and len(node.input) == 6 and nodes_for_torch.torch_can_run(node)
 
 
 _DETACHED_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
@@ -374,7 +374,7 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     except RuntimeError as error:
         raise _builder_error(error, optimized.graph) from error
     train_model = onnx.load_from_string(builder.get_model())
-    torch_recurrent.complete_rnn_gradients(train_model)
+    nodes_for_torch.complete_rnn_gradients(train_model)
     drop_empty_broadcast_reductions(train_model, forward)
     defined_gradients.zero_gradient_at_bounds(train_model)
     defined_gradients.torch_cumprod_gradients(train_model)

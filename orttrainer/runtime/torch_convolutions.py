@@ -27,7 +27,7 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
-from ..graph import defined_gradients
+from ..graph import defined_gradients, nodes_for_torch
 from . import session, torch_ctc, torch_ops, torch_recurrent
 from ..graph.rewrites import is_torch_hard_sigmoid, node_attributes
 from .torch_ops import FunctionStep, NodeStep
@@ -498,9 +498,9 @@ class SplitSession:
             return _NODE_STEPS[node.op_type](node)
         if node.op_type in TORCH_OPS:
             return _Convolution(node)
-        if torch_ctc.is_forward(node) or torch_ctc.is_gradient(node):
+        if nodes_for_torch.is_ctc_loss(node) or nodes_for_torch.is_ctc_gradient(node):
             return torch_ctc.step(node, self._ctc_recorded, self._recordings)
-        kind = torch_recurrent.kind_of(node)
+        kind = nodes_for_torch.kind_of(node)
         if kind is None:
             return torch_ops.step(node)
         if node.name in self._recurrent_pairs:  # an RNN's forward op is also its inference op

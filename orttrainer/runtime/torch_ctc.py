@@ -20,31 +20,19 @@ precision); elsewhere training_graph.py refuses it.
 import onnx
 import torch
 
-from .torch_recurrent import is_aten, recorded_gradients
-
-CTC_LOSS = "ctc_loss"  # the forward ATen node's operator
-CTC_GRADIENT = "orttrainer::CTCLossGrad"  # its gradient placeholder's
-
-
-def is_forward(node: onnx.NodeProto) -> bool:
-    """Whether ``node`` is a CTC loss (the symbolic's ATen node)."""
-    return is_aten(node, CTC_LOSS)
-
-
-def is_gradient(node: onnx.NodeProto) -> bool:
-    """Whether ``node`` is a CTC loss's gradient placeholder."""
-    return is_aten(node, CTC_GRADIENT)
+from ..graph.nodes_for_torch import is_ctc_gradient, is_ctc_loss
+from .torch_recurrent import recorded_gradients
 
 
 def recorded(nodes) -> set:
     """Names of the CTC forward nodes whose loss a gradient placeholder reads (it pairs them): those run recorded."""
-    read = {node.input[0] for node in nodes if is_gradient(node)}
-    return {node.name for node in nodes if is_forward(node) and node.output[0] in read}
+    read = {node.input[0] for node in nodes if is_ctc_gradient(node)}
+    return {node.name for node in nodes if is_ctc_loss(node) and node.output[0] in read}
 
 
 def torch_nodes(nodes) -> set:
     """Names of the CTC nodes, forward and gradient: torch runs every one (ONNX Runtime runs none)."""
-    return {node.name for node in nodes if is_forward(node) or is_gradient(node)}
+    return {node.name for node in nodes if is_ctc_loss(node) or is_ctc_gradient(node)}
 
 
 class CTCLossInference:
@@ -96,7 +84,7 @@ class CTCLossBackward:
 
 def step(node: onnx.NodeProto, recorded_names: set, recordings: dict):
     """The torch step of a CTC node (``torch_nodes``); ``recorded_names``: ``recorded``'s answer for its graph."""
-    if is_gradient(node):
+    if is_ctc_gradient(node):
         return CTCLossBackward(node, recordings)
     if node.name in recorded_names:
         return CTCLossForward(node, recordings)

@@ -25,118 +25,25 @@ is taken out of the graph first (``fold_gate_reordering``), so those reach the s
 weights. The outputs' layout conversion happens inside the recorded computation.
 """
 
-from dataclasses import dataclass
-
 import onnx
 import torch
 from onnx import numpy_helper
 
+from ..graph.nodes_for_torch import (
+    GRU, LSTM, RNN, RNN_CALLS, RecurrentKind, kind_of, named_roles, recurrent_attributes, rnn_activation,
+    torch_can_run,
+)
 from ..graph.rewrites import node_attributes
 
 
-@dataclass(frozen=True)
-class _Kind:
-    inference: str  # the ONNX op (eval graph)
-    forward: str  # the training graph's forward op
-    backward: str  # its gradient op
-    forward_inputs: tuple  # roles of the forward node's inputs, in order
-    gradient_inputs: tuple  # roles of the gradient node's inputs
-    gradient_outputs: tuple  # the forward inputs whose gradients the gradient node writes, in order
-    results: int  # outputs torch computes (Y, Y_h[, Y_c]); the forward's later ones are for the gradient node only
-    gates: list  # ONNX's gate chunks in torch's order
-    call: object  # torch.lstm or torch.gru; None for RNN, whose call its activation chooses (``_torch_call``)
-    activations: str  # the role of the forward's last output, which the gradient node reads: tells a pair apart
-
-
-LSTM = _Kind("LSTM", "LSTMTraining", "LSTMGrad", ("X", "W", "R", "B", "sequence_lens", "initial_h", "initial_c", "P"),
-             ("X", "W", "R", "sequence_lens", "initial_h", "initial_c", "all_hidden", "all_cell", "iofc", "grad_Y",
-              "grad_Y_h", "grad_Y_c"),
-             ("X", "W", "R", "B", "initial_h", "initial_c"), 3, [0, 2, 3, 1], torch.lstm, "iofc")  # fmt: skip
-GRU = _Kind("GRU", "GRUTraining", "GRUGrad", ("X", "W", "R", "B", "sequence_lens", "initial_h"),
-            ("X", "W", "R", "B", "sequence_lens", "initial_h", "all_hidden", "zrh", "grad_Y", "grad_Y_h"),
-            ("X", "W", "R", "B", "initial_h"), 2, [1, 0, 2], torch.gru, "zrh")  # fmt: skip
-# the gradient placeholder's ``operator`` (an ATen node: a schema ONNX Runtime knows, with inputs and outputs of any type)
-RNN_GRADIENT, ATEN_DOMAIN = "orttrainer::RNNGrad", "org.pytorch.aten"
-RNN = _Kind("RNN", "RNN", "ATen", ("X", "W", "R", "B", "sequence_lens", "initial_h"),
-            ("X", "W", "R", "B", "sequence_lens", "initial_h", "Y_h", "grad_Y", "grad_Y_h"),
-            ("X", "W", "R", "B", "initial_h"), 2, [0], None, "Y_h")  # fmt: skip
-_KINDS = {op_type: kind for kind in (LSTM, GRU) for op_type in (kind.inference, kind.forward, kind.backward)} | {"RNN": RNN}
-_RNN_CALLS = {"tanh": torch.rnn_tanh, "relu": torch.rnn_relu}
-_DIRECTIONS = ("forward", "reverse", "bidirectional")
 _WEIGHTS = ("W", "R", "B")  # the roles whose gradients the gradient step reorders from torch's layout
 _FOLDED = ("W", "R")  # the roles whose exporter reordering fold_gate_reordering takes out
-
-
-def _named(names, roles) -> dict:
-    """{role: tensor name} of a node's inputs or outputs, absent ones left out."""
-    return {role: name for role, name in zip(roles, names) if name}
-
-
-def _attributes(node: onnx.NodeProto) -> dict:
-    """A recurrent node's attributes by name, ``direction`` forward when absent."""
-    return {"direction": "forward", **node_attributes(node)}
-
-
-def is_aten(node: onnx.NodeProto, operator: str) -> bool:
-    """Whether ``node`` is an ATen node of ``operator``: a placeholder only torch runs (an RNN's or a CTC loss's
-    gradient, torch_ctc.py's forward)."""
-    return node.op_type == "ATen" and node.domain == ATEN_DOMAIN and node_attributes(node).get("operator") == operator
-
-
-def kind_of(node: onnx.NodeProto):
-    """The LSTM, GRU or RNN kind of a recurrent node or of its gradient (an RNN's: the ``RNN_GRADIENT``
-    placeholder), else None."""
-    if node.op_type == RNN.backward:
-        return RNN if is_aten(node, RNN_GRADIENT) else None
-    return _KINDS.get(node.op_type)
-
-
-def _domain(kind: _Kind, node: onnx.NodeProto) -> str:
-    """The domain ``node`` of ``kind`` has: ONNX's for the inference op, the ATen op's for the RNN placeholder,
-    onnxruntime-training's for LSTMTraining, LSTMGrad and their GRU twins."""
-    if node.op_type == kind.inference:
-        return ""
-    return ATEN_DOMAIN if node.op_type == RNN.backward else "com.microsoft"
-
-
-def _rnn_activation(attributes: dict):
-    """An RNN node's one activation in lower case ("tanh", "relu", ...), None if its directions differ."""
-    found = {name.decode() if isinstance(name, bytes) else name for name in attributes.get("activations", [b"Tanh"])}
-    return found.pop().lower() if len(found) == 1 else None
 
 
 def _torch_call(node: onnx.NodeProto):
     """torch's function computing ``node``'s layer: torch.lstm, torch.gru, torch.rnn_tanh or torch.rnn_relu."""
     kind = kind_of(node)
-    return kind.call or _RNN_CALLS[_rnn_activation(_attributes(node))]
-
-
-def direction(node: onnx.NodeProto) -> str:
-    """forward, reverse or bidirectional."""
-    return _attributes(node)["direction"]
-
-
-def torch_can_run(node: onnx.NodeProto) -> bool:
-    """An LSTM, GRU or RNN node (inference, training forward or gradient) torch computes: default
-    activations (an RNN's tanh or relu, the same in both directions), no clipping, sequence first,
-    every sequence the full length; an LSTM without coupled input-forget gate or peepholes, a GRU
-    applying the reset gate after the hidden weights (``nn.GRU``'s form)."""
-    kind = kind_of(node)
-    if kind is None or node.domain != _domain(kind, node):
-        return False
-    attributes = _attributes(node)
-    if kind is RNN and node.op_type == RNN.forward:
-        if _rnn_activation(attributes) not in _RNN_CALLS:
-            return False
-        attributes.pop("activations", None)
-    plain = not {"activations", "activation_alpha", "activation_beta", "clip"} & set(attributes)
-    plain = plain and attributes.get("layout", 0) == 0
-    roles = _named(node.input, kind.gradient_inputs if node.op_type == kind.backward else kind.forward_inputs)
-    if kind is LSTM:
-        gates = attributes.get("input_forget", 0) == 0
-    else:
-        gates = kind is RNN or attributes.get("linear_before_reset", 0) == 1
-    return attributes["direction"] in _DIRECTIONS and plain and gates and not {"sequence_lens", "P"} & set(roles)
+    return kind.call or RNN_CALLS[rnn_activation(recurrent_attributes(node))]
 
 
 def pairs(nodes) -> dict:
@@ -153,11 +60,11 @@ def pairs(nodes) -> dict:
         kind = kind_of(node)
         if kind is None or node.op_type != kind.backward:
             continue
-        activations = _named(node.input, kind.gradient_inputs).get(kind.activations)
+        activations = named_roles(node.input, kind.gradient_inputs).get(kind.activations)
         forward = forwards.get(activations)
         if forward is None or forward.op_type != kind.forward:
             continue
-        writes_known = set(_named(node.output, kind.gradient_outputs)) <= set(_named(forward.input, kind.forward_inputs))
+        writes_known = set(named_roles(node.output, kind.gradient_outputs)) <= set(named_roles(forward.input, kind.forward_inputs))
         if torch_can_run(forward) and torch_can_run(node) and writes_known:
             found[forward.name] = node
     return found
@@ -168,27 +75,6 @@ def torch_nodes(nodes) -> set:
     names = {name for forward, backward in pairs(nodes).items() for name in (forward, backward.name)}
     return names | {node.name for node in nodes if node.op_type in (LSTM.inference, GRU.inference, RNN.inference)
                     and torch_can_run(node)}  # fmt: skip
-
-
-def complete_rnn_gradients(model: onnx.ModelProto) -> None:
-    """Mend, in place, each RNN gradient placeholder as the builder left it from its definition
-    (defined_gradients.py): the incoming gradients no node computes are left out (it reads both Y's and
-    Y_h's, and a model may use one), and it writes the gradient of its initial state when a node reads it
-    (the builder, counting the absent sequence_lens out, writes none: its name is '<initial_h>_grad')."""
-    produced = {name for node in model.graph.node for name in node.output} | {i.name for i in model.graph.input}
-    produced |= {initializer.name for initializer in model.graph.initializer}
-    read = {name for node in model.graph.node for name in node.input} | {output.name for output in model.graph.output}
-    for node in model.graph.node:
-        if kind_of(node) is not RNN or node.op_type != RNN.backward:
-            continue
-        for index, name in enumerate(node.input):
-            if name and name not in produced:
-                node.input[index] = ""
-        inputs = _named(node.input, RNN.gradient_inputs)
-        for index, role in enumerate(RNN.gradient_outputs):
-            gradient = f"{inputs[role]}_grad" if role in inputs else None
-            if not node.output[index] and gradient in read and gradient not in produced:
-                node.output[index] = gradient
 
 
 def fold_gate_reordering(model: onnx.ModelProto) -> dict:
@@ -214,9 +100,9 @@ def fold_gate_reordering(model: onnx.ModelProto) -> dict:
     folded, dropped = {}, set()
     for forward_name, backward in found.items():
         forward = forwards[forward_name]
-        if _attributes(forward)["direction"] == "bidirectional":
+        if recurrent_attributes(forward)["direction"] == "bidirectional":
             continue
-        kind, hidden = kind_of(forward), _attributes(forward)["hidden_size"]
+        kind, hidden = kind_of(forward), recurrent_attributes(forward)["hidden_size"]
         for role in _FOLDED:
             chain = _weight_chain(forward, backward, role, kind, hidden, producers, readers, constants)
             if chain is None:
@@ -311,7 +197,7 @@ def _reordered(tensor: torch.Tensor, order, out=None) -> torch.Tensor:
     return torch.cat([chunks[index] for index in order], out=out)
 
 
-def torch_parameters(kind: _Kind, w, r, b, hidden: int, folded=()) -> list:
+def torch_parameters(kind: RecurrentKind, w, r, b, hidden: int, folded=()) -> list:
     """ONNX's W, R[, B] as torch's flat weight list (per direction: w_ih, w_hh[, b_ih, b_hh]), gates in torch's order.
 
     The ``folded`` roles (``fold_gate_reordering``, one direction) are torch's weights already: handed on as they are.
@@ -327,7 +213,7 @@ def torch_parameters(kind: _Kind, w, r, b, hidden: int, folded=()) -> list:
     return parameters
 
 
-def onnx_parameter_gradients(kind: _Kind, gradients, with_bias: bool, folded=()) -> dict:
+def onnx_parameter_gradients(kind: RecurrentKind, gradients, with_bias: bool, folded=()) -> dict:
     """The gradients of :func:`torch_parameters`' list in ONNX's layout: {"W": ..., "R": ...[, "B": ...]}; those of the
     ``folded`` roles in torch's, as torch computed them."""
     onnx_order = [kind.gates.index(position) for position in range(len(kind.gates))]
@@ -347,7 +233,7 @@ def onnx_parameter_gradients(kind: _Kind, gradients, with_bias: bool, folded=())
     return result
 
 
-def _run_layer(kind: _Kind, call, x, parameters, with_bias: bool, initial_states, direction: str, hidden: int):
+def _run_layer(kind: RecurrentKind, call, x, parameters, with_bias: bool, initial_states, direction: str, hidden: int):
     """ONNX's LSTM, GRU or RNN (layout 0) computed by torch's ``call`` on :func:`torch_parameters`: (Y, Y_h[, Y_c]) in
     ONNX's layout.
 
@@ -365,7 +251,7 @@ def _run_layer(kind: _Kind, call, x, parameters, with_bias: bool, initial_states
     return (output.view(sequence, batch, directions, hidden).transpose(1, 2).contiguous(), *last)
 
 
-def recurrent(kind: _Kind, x, w, r, b, initial_states, direction: str, hidden: int, call=None):
+def recurrent(kind: RecurrentKind, x, w, r, b, initial_states, direction: str, hidden: int, call=None):
     """ONNX's LSTM, GRU or RNN (layout 0) on ONNX's W, R[, B], computed by torch: (Y, Y_h[, Y_c]) in ONNX's layout.
     ``call``: the torch function, for an RNN (torch.rnn_tanh or torch.rnn_relu)."""
     parameters = torch_parameters(kind, w, r, b, hidden)
@@ -377,9 +263,9 @@ class RecurrentInference:
 
     def __init__(self, node: onnx.NodeProto):
         self.kind, self.node, self.call = kind_of(node), node, _torch_call(node)
-        attributes = _attributes(node)
+        attributes = recurrent_attributes(node)
         self.direction, self.hidden = attributes["direction"], attributes["hidden_size"]
-        self.roles = _named(node.input, self.kind.forward_inputs)
+        self.roles = named_roles(node.input, self.kind.forward_inputs)
         self.inputs = list(self.roles.values())
         self.outputs = [name for name in node.output if name]
 
@@ -430,10 +316,10 @@ class RecurrentBackward:
 
     def __init__(self, node: onnx.NodeProto, recordings: dict):
         self.kind, self.node, self.recordings = kind_of(node), node, recordings
-        self.roles = _named(node.input, self.kind.gradient_inputs)
+        self.roles = named_roles(node.input, self.kind.gradient_inputs)
         self.inputs = list(self.roles.values())
         self.outputs = [name for name in node.output if name]
-        self.targets = _named(node.output, self.kind.gradient_outputs)  # {forward input role: gradient output name}
+        self.targets = named_roles(node.output, self.kind.gradient_outputs)  # {forward input role: gradient output name}
 
     def run(self, values: dict) -> dict:
         leaves, parameters, with_bias, folded, results = self.recordings.pop(self.roles[self.kind.activations])

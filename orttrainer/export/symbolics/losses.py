@@ -9,8 +9,7 @@ from torch.onnx import symbolic_helper
 from torch.onnx._internal.torchscript_exporter import _type_utils
 
 from ...graph import rewrites
-from ...runtime import torch_ctc
-from ...runtime.torch_recurrent import ATEN_DOMAIN
+from ...graph.nodes_for_torch import ATEN_DOMAIN, CTC_LOSS
 from ._graph import _constant, _ExportGraph, _module_scope, _numpy_dtype, _reduce
 from .elementwise import _clamp_min, detach
 from .reductions import pairwise_distance
@@ -373,13 +372,13 @@ def _lengths(g, lengths):
 
 @symbolic_helper.parse_args("v", "v", "v", "v", "i", "i", "b")
 def ctc_loss(g, log_probs, targets, input_lengths, target_lengths, blank, reduction, zero_infinity):
-    """One ATen node (operator ``torch_ctc.CTC_LOSS``) whose inputs are ``torch.ctc_loss``'s arguments, blank,
+    """One ATen node (operator ``CTC_LOSS``) whose inputs are ``torch.ctc_loss``'s arguments, blank,
     reduction and zero_infinity as constant scalars: torch's kernel computes it (torch_ctc.py). The loss has
     log_probs' type: a scalar, or with ``reduction`` none one value per sequence (none for unbatched log_probs)."""
     build = _ExportGraph(g)
     scalars = [build.const(blank, np.int64), build.const(reduction, np.int64), build.const(zero_infinity, np.bool_)]
     loss = g.op(f"{ATEN_DOMAIN}::ATen", log_probs, targets, _lengths(g, input_lengths), _lengths(g, target_lengths), *scalars,
-                operator_s=torch_ctc.CTC_LOSS)  # fmt: skip
+                operator_s=CTC_LOSS)  # fmt: skip
     rank = symbolic_helper._get_tensor_rank(log_probs)
     if reduction == 0 and rank is None:
         raise ValueError(f"ctc_loss with reduction='none' in module '{_module_scope(g)}': orttrainer exports it for "
