@@ -1,4 +1,5 @@
-"""Batches padded to their own longest sequence: one graph for every length where the trace is generic in it.
+"""Batches padded to their own longest sequence, images of several sizes: one graph for every length and image size
+where the trace is generic in it.
 
 A graph serves a batch of other sizes without an export once an export at other sizes gave the same graph and
 the Python decisions its trace took on sizes (its guards, export/size_guards.py) come out the same for the new
@@ -33,6 +34,15 @@ def exports(monkeypatch):
 
     monkeypatch.setattr(build.TorchSource, "export", counting)
     return counted
+
+
+@pytest.fixture
+def checks(monkeypatch):
+    """The first-step checks the trainers of a test prepared (torch's side of each, taken at each graph's build)."""
+    references = []
+    torch_reference = build._torch_reference
+    monkeypatch.setattr(build, "_torch_reference", lambda *args: references.append(1) or torch_reference(*args))
+    return references
 
 
 def _sgd(parameters):
@@ -136,15 +146,12 @@ def test_a_size_that_depends_on_the_data_is_no_guard(exports):
         trainer.train_step(torch.zeros_like(tokens), labels)
 
 
-def test_the_first_step_check_runs_at_every_built_graph(monkeypatch):
+def test_the_first_step_check_runs_at_every_built_graph(checks):
     """Each graph is checked against torch at its first step; one serving many lengths, once."""
-    references = []
-    torch_reference = build._torch_reference
-    monkeypatch.setattr(build, "_torch_reference", lambda *args: references.append(1) or torch_reference(*args))
     torch.manual_seed(0)
     shapes = [(4, 3), (4, 5), (4, 4), (4, 9), (4, 12), (4, 2)]
     trainer, _ = run_parity(BranchesOnLength(), _token_batches(shapes), optim.SGDConfig(lr=0.1), _sgd, loss_fn=F.cross_entropy)
-    assert trainer._graphs.built == 2 and len(references) == 2
+    assert trainer._graphs.built == 2 and len(checks) == 2
 
 
 class CumulatesOverTokens(_TokenClassifier):
@@ -209,3 +216,99 @@ def test_guards_hold_exactly_where_every_decision_comes_out_the_same(traced, oth
     shapes = [torch.empty(other[:2], dtype=torch.long), torch.empty(other[0], mask_length)]
     assert guards.hold(shapes) is holds
     assert len(values.size_guards.guarded) == 2  # the two lines that decide
+
+
+# ------------------------------------------------------------------ image sizes
+def _image_batches(shapes, seed=0):
+    """(images [batch, 3, height, width], a class per image) for each (batch, height, width) of ``shapes``."""
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 3, height, width, generator=generator),
+             torch.randint(0, zoo.CLASSES, (batch,), generator=generator)) for batch, height, width in shapes]  # fmt: skip
+
+
+def test_one_graph_trains_a_cnn_with_batchnorm_at_every_image_size_like_torch(exports, checks):
+    """zoo.ResNet (BatchNorm after every convolution, global average pooling) at four image sizes, one of them not
+    square, and two batch sizes: one graph, checked once; three exports (the first batch, a new image size, a new
+    batch size), the rest served by it."""
+    torch.manual_seed(0)
+    shapes = [(4, 16, 16), (4, 24, 24), (4, 32, 32), (3, 16, 16), (4, 20, 28), (3, 24, 24), (4, 16, 16)]
+    trainer, *_ = run_parity(zoo.ResNet(), _image_batches(shapes), optim.SGDConfig(lr=0.1), _sgd, loss_fn=F.cross_entropy,
+                             float64=True)  # fmt: skip
+    assert trainer._graphs.built == 1 and len(checks) == 1
+    assert exports[0] == 3
+
+
+class PooledFeatures(nn.Module):
+    """A 3x3 convolution with BatchNorm and ReLU, then ``pool``, then a linear head over its ``features`` values."""
+
+    def __init__(self, pool, features):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), pool)
+        self.head = nn.Linear(features, zoo.CLASSES)
+
+    def forward(self, images):
+        return self.head(self.features(images).flatten(1))
+
+
+def _then_mean(pool):
+    return nn.Sequential(pool, nn.AdaptiveAvgPool2d(1))
+
+
+@pytest.mark.parametrize(("pool", "features", "sizes", "built"), [
+    (_then_mean(nn.MaxPool2d(2, stride=3, padding=1, ceil_mode=True)), 4, [6, 4, 5, 6], 3),
+    (_then_mean(nn.MaxPool2d(3, stride=2, ceil_mode=True)), 4, [5, 6, 7, 5], 1),
+    (_then_mean(nn.AvgPool2d(3, stride=2, padding=1, ceil_mode=True)), 4, [5, 6, 7, 5], 3),
+    (nn.AdaptiveAvgPool2d((2, 2)), 16, [4, 6, 5, 4], 3),
+], ids=["ceil_mode windows torch drops at 4 and 5", "ceil_mode windows no size drops", "ceil_mode average with padding",
+        "adaptive to 2x2"])  # fmt: skip
+def test_a_pool_whose_windows_depend_on_the_image_size_trains_like_torch(exports, checks, pool, features, sizes, built):
+    """A pool whose window count or windows depend on the image size: torch's ceil_mode count is one short of ONNX's
+    at some sizes (where a stride and an end padding outrun the kernel), an average's partial windows and an adaptive
+    pool's windows are computed for known sizes. Where that can happen the graph is exported with the image sizes
+    fixed, once per size, each checked at its first step; a ceil_mode pool that no size makes differ, once."""
+    torch.manual_seed(0)
+    batches = _image_batches([(4, size, size) for size in sizes], seed=4)
+    trainer, *_ = run_parity(PooledFeatures(pool, features), batches, optim.SGDConfig(lr=0.1), _sgd,
+                             loss_fn=F.cross_entropy, float64=True)  # fmt: skip
+    assert trainer._graphs.built == built and len(checks) == built
+    assert exports[0] == (2 if built == 1 else built + 1)  # with sizes fixed: the first batch again, then each size
+
+
+def test_a_linear_over_flattened_images_refuses_other_sizes_as_torch_does():
+    """A Linear whose in_features holds the image size (flatten, then Linear): torch's own error at another size."""
+    torch.manual_seed(0)
+    model = PooledFeatures(nn.MaxPool2d(2), 4 * 4 * 4)
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy, options=cpu_options())
+    small, large = _image_batches([(2, 8, 8), (2, 10, 10)], seed=5)
+    trainer.train_step(*small)
+    with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied"):
+        trainer.train_step(*large)
+
+
+@pytest.mark.parametrize(("kernel", "stride", "padding", "dilation"), [
+    (2, 3, 1, 1), (3, 2, 0, 1), (3, 2, 1, 1), (2, 2, 1, 1), (2, 2, 0, 1), (3, 3, 1, 1), (2, 1, 1, 1), (2, 3, 1, 2),
+    (1, 2, 0, 1), (5, 4, 2, 1), (3, 3, 0, 1),
+])  # fmt: skip
+def test_a_ceil_mode_pool_drops_a_window_at_some_size_exactly_where_stride_and_end_padding_outrun_the_kernel(
+        kernel, stride, padding, dilation):  # fmt: skip
+    """pooling._can_drop_a_window, which lets a ceil_mode pool over dynamic sizes be ONNX's, against torch's own
+    output lengths at every length up to 60."""
+    from orttrainer.graph.rewrites import pooling
+
+    span = (kernel - 1) * dilation + 1
+    drops = False
+    for length in range(max(1, span - 2 * padding), 61):
+        pooled = F.max_pool1d(torch.zeros(1, 1, length), kernel, stride, padding, dilation, ceil_mode=True)
+        drops |= pooled.shape[-1] < pooling._onnx_ceil_mode_count(length, span, stride, padding, padding)
+    assert pooling._can_drop_a_window(span, stride, padding) is drops
+
+
+@pytest.mark.parametrize(("shape", "dtype", "free"), [
+    ((2, 5), torch.long, [1]), ((2, 5, 5), torch.bool, [1, 2]), ((2, 7), torch.float32, []),
+    ((2, 5, 7), torch.float32, []), ((2, 3, 8, 9), torch.float32, [2, 3]), ((2, 3, 4, 8, 9), torch.float16, [2, 3, 4]),
+], ids=["token ids", "a mask", "features", "a sequence's states", "images", "volumes"])  # fmt: skip
+def test_the_inferred_model_desc_frees_lengths_and_image_sizes(shape, dtype, free):
+    """Every axis of an integer or bool input, the axes after the channels of a float input of 4 dims or more."""
+    from orttrainer.api.model_desc import free_axes
+
+    assert free_axes(torch.zeros(shape, dtype=dtype)) == free

@@ -197,33 +197,45 @@ def forward_input_names(model: torch.nn.Module, positional_count: int):
     return [parameter.name for parameter in parameters[:positional_count]]
 
 
-def _symbolic_shape(name, tensor, batch_size, every_axis=False):
-    """Shape with dim 0 symbolic ('batch' when it matches the first input's, else '<name>_dim0'), and with
-    ``every_axis`` every other dim too ('<name>_dim<i>')."""
-    shape = [dim if index == 0 or not every_axis else f"{name}_dim{index}" for index, dim in enumerate(tensor.shape)]
+def _symbolic_shape(name, tensor, batch_size, dynamic=()):
+    """Shape with dim 0 symbolic ('batch' when it matches the first input's, else '<name>_dim0'), and the axes
+    ``dynamic`` too ('<name>_dim<i>')."""
+    shape = [f"{name}_dim{index}" if index in dynamic else dim for index, dim in enumerate(tensor.shape)]
     if shape:
         shape[0] = "batch" if shape[0] == batch_size else f"{name}_dim0"
     return shape
 
 
-def _sizes_of_the_batch(tensor) -> bool:
-    """Whether every axis of an input is a size of the batch: token ids, masks, positions, labels (integers and
-    bools) are; a float input's other axes are widths its weights fix (channels, features) or sizes the module may
-    read (an image's height)."""
-    return not (tensor.is_floating_point() or tensor.is_complex())
+# the kinds of sizes besides the batch an inferred model_desc leaves free, the one given up first last
+FREE_SIZES = ("lengths", "spatial")
 
 
-def infer_model_desc(input_names, inputs, sample_outputs, form, lengths_dynamic=True) -> _ORTTrainerModelDesc:
+def free_axes(tensor, kinds=FREE_SIZES) -> list:
+    """The axes of an input after dim 0 that the sizes of these ``kinds`` leave free. 'lengths': every axis of an
+    integer or bool input (token ids, masks, positions, labels: padded lengths). 'spatial': the axes after the
+    channels of a float input of 4 or more dims (an image's height and width, a volume's depth too: detection and
+    segmentation train at several sizes). A float input of 2 or 3 dims keeps its sizes: a feature vector's width
+    and a sequence's hidden size are fixed by the weights that read them, and which of a 3-d input's axes is a
+    length is not known."""
+    floating = tensor.is_floating_point() or tensor.is_complex()
+    if "lengths" in kinds and not floating:
+        return list(range(1, tensor.dim()))
+    if "spatial" in kinds and floating and tensor.dim() >= 4:
+        return list(range(2, tensor.dim()))
+    return []
+
+
+def infer_model_desc(input_names, inputs, sample_outputs, form, free=FREE_SIZES) -> _ORTTrainerModelDesc:
     """The model_desc of named sample inputs and sample outputs, which ``form`` names
     (model_outputs.flatten: the scalar loss first, computed by the loss_fn or by the model itself).
 
-    Dynamic: dim 0 of every input; with ``lengths_dynamic`` every axis of integer and bool inputs
-    (``_sizes_of_the_batch``: a padded length); every axis of every output (a graph declares what it computes, not
-    the sizes of the batch it was traced at)."""
+    Dynamic: dim 0 of every input; the axes the kinds of sizes in ``free`` leave free (``free_axes``: padded
+    lengths, image sizes); every axis of every output (a graph declares what it computes, not the sizes of the
+    batch it was traced at)."""
     batch_size = inputs[0].shape[0] if inputs and inputs[0].dim() > 0 else None
-    desc_inputs = [(name, _symbolic_shape(name, tensor, batch_size, lengths_dynamic and _sizes_of_the_batch(tensor)))
+    desc_inputs = [(name, _symbolic_shape(name, tensor, batch_size, free_axes(tensor, free)))
                    for name, tensor in zip(input_names, inputs)]  # fmt: skip
-    desc_outputs = [(name, _symbolic_shape(name, tensor, batch_size, every_axis=True), index == 0)
+    desc_outputs = [(name, _symbolic_shape(name, tensor, batch_size, range(tensor.dim())), index == 0)
                     for index, (name, tensor) in enumerate(zip(form.names, sample_outputs))]  # fmt: skip
     desc = _ORTTrainerModelDesc({"inputs": desc_inputs, "outputs": desc_outputs})
     desc.form = form

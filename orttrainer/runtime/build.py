@@ -33,7 +33,8 @@ from ..export import as_trained, refusals, trace, verify
 from .. import progress
 from ..update import amp
 from . import session, torch_convolutions
-from ..api.model_desc import _ORTTrainerModelDesc, forward_keywords, forward_parameters, infer_model_desc
+from ..api.model_desc import (FREE_SIZES, _ORTTrainerModelDesc, forward_keywords, forward_parameters, free_axes,
+                               infer_model_desc)
 
 
 class Runtime:
@@ -216,9 +217,21 @@ class TorchSource:
         self.described = f"{type(model).__name__} ({progress.size_of(model.parameters())})"
         self.forward_names = _forward_names(model, input_names, loss_fn)
         self.loss_fn, self.options, self.model_desc = loss_fn, options, model_desc
-        # an inferred model_desc makes every axis of integer inputs dynamic (padded lengths) until a graph needs them
-        # fixed (graph_cache.GraphCache._build)
-        self.lengths_dynamic = True
+        # the kinds of sizes an inferred model_desc leaves dynamic (padded lengths, image sizes) until a graph needs
+        # them fixed (fix_sizes)
+        self.free_sizes = list(FREE_SIZES)
+
+    def fix_sizes(self, inputs, kinds=FREE_SIZES) -> bool:
+        """Fix, in this and every later export, the last kind of sizes among ``kinds`` still free that leaves an axis
+        of ``inputs`` dynamic (a graph that cannot be exported or trained with them free); False if there is none
+        (or the model_desc is the user's)."""
+        if self.model_desc is not None:
+            return False
+        for kind in [kind for kind in reversed(self.free_sizes) if kind in kinds]:
+            self.free_sizes.remove(kind)
+            if any(free_axes(tensor, [kind]) for tensor in inputs):
+                return True
+        return False
 
     def export(self, input_names, inputs, constants, compared_only=False) -> TorchExport:
         """Export at this batch and these constants (forward's keywords baked into the trace); ``model_desc``
@@ -239,7 +252,7 @@ class TorchSource:
         batch = [tensor.detach().to(self.device, copy=True) for tensor in inputs]
         outputs, form = as_trained.sample_outputs(module, loss_fn, self.forward_names, batch, constants)
         outputs = list(outputs)
-        desc = self.model_desc or infer_model_desc(input_names, batch, outputs, form, self.lengths_dynamic)
+        desc = self.model_desc or infer_model_desc(input_names, batch, outputs, form, self.free_sizes)
         # given the loss, the trace refuses custom backwards (not again where the graph is only compared with one built)
         loss_index = None if compared_only else _loss_index(desc, outputs, loss_fn, inferred=self.model_desc is None)
         with recompute.checkpointed_modules(module) as checkpointed:  # carried to the build in the graph's metadata

@@ -1,8 +1,8 @@
 """Which graph serves which batch of a torch module: one graph for every batch shape its trace is generic in.
 
 The TorchScript exporter traces the module at one batch. The trace declares dynamic the batch dimension of every
-input and every axis of integer and bool inputs (token ids, masks, labels: padded lengths; model_desc.infer_model_desc),
-and it can hold sizes of its batch: in constants (the Reshape shapes of seq-first attention, a ``len()``), or in the
+input, every axis of integer and bool inputs (token ids, masks, labels: padded lengths) and the height and width of
+images (float inputs of 4 dims or more; model_desc.free_axes), and it can hold sizes of its batch: in constants (the Reshape shapes of seq-first attention, a ``len()``), or in the
 branch a Python decision on a size took (``if q_length > 1:``). It always holds what the step's constants chose
 (``return_loss=True``: keywords forward gets as Python values). So a graph serves a batch of another shape signature
 (the inputs' names, shapes and dtypes, and the constants' names, types and values) in one of two ways:
@@ -18,8 +18,9 @@ branch a Python decision on a size took (``if q_length > 1:``). It always holds 
   the same weight tensors (``build.from_torch(..., shared=)``), so one optimizer, one set of gradient buffers,
   BatchNorm statistics, scales and checkpoint serve all graphs.
 
-A graph that cannot train with dynamic lengths (a rewrite written for a fixed size along one: ``GradientBuildError``)
-is exported again with those lengths fixed, for this and every later batch (``_build``). At most ``MAX_GRAPHS``
+A graph that cannot be exported or trained with those sizes dynamic (an op whose export reads an image's size, a
+rewrite written for a fixed size, a pool whose windows depend on it) is exported again with them fixed, image sizes
+first, then lengths, for this and every later batch (``_export``, ``_build``). At most ``MAX_GRAPHS``
 built graphs are kept; the least recently used is dropped with its sessions, and a warning says once that the shapes
 keep changing.
 
@@ -40,7 +41,9 @@ import torch
 
 from . import build
 from ..export import exporter_warnings
+from ..export.refusals import ExportError
 from ..graph.graph_errors import GradientBuildError
+from ..graph.rewrites import SizesNeeded
 
 MAX_GRAPHS = 8  # built graphs kept (each holds a training and an eval session)
 
@@ -131,7 +134,7 @@ class GraphCache:
         if self._source is None:
             self._source = build.TorchSource(model, loss_fn, input_names, options, model_desc, self._where[0])
         shared = next(reversed(self._graphs.values())).runtime if self._graphs else None
-        exported = self._source.export(input_names, inputs, constants)
+        exported = self._export(input_names, inputs, constants)
         structure = _structure(exported.onnx_model)
         graph = self._graphs.get(structure)
         if graph is None:
@@ -146,18 +149,32 @@ class GraphCache:
         frozen = exported.trace_facts.frozen_values
         return [graph, _ValuesCheck(exported, structure) if frozen else None]
 
+    def _export(self, input_names, inputs, constants):
+        """The export at this batch. Where it fails with image sizes free (``ExportError``: an op whose export reads
+        them, such as an adaptive pool to sizes other than 1) or with sizes free that a rewrite of the export needs
+        fixed (``SizesNeeded``: a ceil_mode pool whose window count depends on them), those are fixed, for this and
+        every later export."""
+        try:
+            return self._source.export(input_names, inputs, constants)
+        except ExportError:
+            if not self._source.fix_sizes(inputs, kinds=["spatial"]):
+                raise
+        except SizesNeeded:
+            if not self._source.fix_sizes(inputs):
+                raise
+        return self._export(input_names, inputs, constants)
+
     def _build(self, exported, shared, input_names):
-        """The Runtime of ``exported`` and the export it was built from: where the graph cannot train with the lengths
-        of integer inputs dynamic (a rewrite that needs a fixed size along them), those lengths are fixed in this and
-        every later export, and the graph is built per length."""
+        """The Runtime of ``exported`` and the export it was built from: where the graph cannot train with sizes of the
+        batch dynamic (a rewrite that needs a fixed size along them: ``GradientBuildError``), they are fixed in this and
+        every later export (image sizes first, then lengths), and the graph is built per size."""
         try:
             runtime = build.from_torch(self._source, exported, *self._where, shared=shared)
         except GradientBuildError:
-            if not self._source.lengths_dynamic or self._given[3] is not None:
+            if not self._source.fix_sizes(exported.inputs):
                 raise
-            self._source.lengths_dynamic = False
-            exported = self._source.export(input_names, exported.inputs, exported.constants)
-            runtime = build.from_torch(self._source, exported, *self._where, shared=shared)
+            again = self._export(input_names, exported.inputs, exported.constants)
+            return self._build(again, shared, input_names)
         runtime.check_export()
         return runtime, exported
 

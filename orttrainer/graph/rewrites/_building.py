@@ -37,6 +37,11 @@ class RewriteError(ValueError):
     node_name = ""  # the node whose rewrite failed, set by the rewrite's caller
 
 
+class SizesNeeded(RewriteError):
+    """A node computes torch's values at some sizes only, and the graph leaves those sizes dynamic: it must be
+    exported with them fixed."""
+
+
 @dataclass
 class GraphFacts:
     """What a rewrite may know about the whole graph besides the node it replaces."""

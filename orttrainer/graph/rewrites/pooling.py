@@ -7,7 +7,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ._building import RewriteError, node_attribute, node_output, replace_nodes
+from ._building import RewriteError, SizesNeeded, node_attribute, node_output, replace_nodes
 from .shapes import static_shapes, structure_for_inference, symbolic_dim
 
 
@@ -74,19 +74,32 @@ def average_pool(build):
 
 def _drops_a_window(node: onnx.NodeProto, shapes: dict) -> bool:
     """Whether torch makes fewer ceil_mode windows than this pool's ONNX Runtime kernel (one that would start in
-    the end padding, e.g. size 4, kernel 2, stride 3, padding 1: 2 windows, not 3); False where sizes are unknown."""
+    the end padding, e.g. size 4, kernel 2, stride 3, padding 1: 2 windows, not 3). SizesNeeded where an axis whose
+    size is not known can drop one at some sizes (``_can_drop_a_window``)."""
     dims = len(node_attribute(node, "kernel_shape"))
     dilations = list(node_attribute(node, "dilations", [1] * dims))
     kernel = [(size - 1) * dilation + 1 for size, dilation in zip(node_attribute(node, "kernel_shape"), dilations)]
     lengths = (shapes.get(node.input[0]) or [None] * (dims + 2))[2:]
     strides = list(node_attribute(node, "strides", [1] * dims))
     pads = list(node_attribute(node, "pads", [0] * 2 * dims))
-    if node_attribute(node, "auto_pad", "NOTSET") != "NOTSET" or None in lengths:
+    if node_attribute(node, "auto_pad", "NOTSET") != "NOTSET":
         return False
     for length, size, stride, before, after in zip(lengths, kernel, strides, pads[:dims], pads[dims:]):
-        if _ceil_mode_count(length, size, stride, before, after) < _onnx_ceil_mode_count(length, size, stride, before, after):
+        if length is None and _can_drop_a_window(size, stride, after):
+            raise SizesNeeded(f"{node.op_type} node '{node.name}' (ceil_mode): torch makes one window fewer than ONNX "
+                              "Runtime's kernel over some input sizes, and this pool's are not known (dynamic); give "
+                              "model_desc fixed sizes for the input's axes that reach it")  # fmt: skip
+        axis = (length, size, stride, before, after)
+        if length is not None and _ceil_mode_count(*axis) < _onnx_ceil_mode_count(*axis):
             return True
     return False
+
+
+def _can_drop_a_window(kernel: int, stride: int, after: int) -> bool:
+    """Whether torch's ceil_mode count falls short of ONNX's over some length of an axis: ONNX's last window starts
+    before ``length + before + after - kernel + stride``, and torch drops it where it starts at ``length + before``
+    or later, which only a stride and end padding longer than the kernel leave room for."""
+    return stride + after > kernel
 
 
 def _declare_inferred_output_sizes(model: onnx.ModelProto) -> None:
@@ -118,14 +131,16 @@ def torch_pools(model: onnx.ModelProto) -> list:
     off: torch drops a window only where the ceil count exceeds the floor count (a pad is shorter than the
     kernel), so it keeps the floor count, and the windows are torch's. The exported forward changes, so the eval
     graph and a saved model compute torch's values too, and the graph outputs declare torch's sizes. Pools are
-    taken in graph order, the sizes inferred again after each (a pool changes the sizes after it); an
-    AveragePool whose input sizes shape inference does not know stays (a training graph's build then names it)."""
+    taken in graph order, the sizes inferred again after each (a pool changes the sizes after it). A pool whose
+    windows depend on input sizes the graph does not know (dynamic ones) raises SizesNeeded: it is torch's at the
+    sizes it is rewritten for only (a MaxPool that can drop a window at some sizes, an AveragePool with
+    count_include_pad)."""
     if not any(node.op_type in _TORCH_POOLS and node_attribute(node, "ceil_mode", 0) for node in model.graph.node):
         return []
-    changed, kept, dropped = [], set(), False
+    changed, dropped = [], False
     while True:
         shapes = static_shapes(model)
-        pool = next((node for node in model.graph.node if node.name not in kept and _pool_differs(node, shapes)), None)
+        pool = next((node for node in model.graph.node if _pool_differs(node, shapes)), None)
         if pool is None:
             break
         dropped = dropped or _drops_a_window(pool, shapes)
@@ -133,10 +148,10 @@ def torch_pools(model: onnx.ModelProto) -> list:
             next(attribute for attribute in pool.attribute if attribute.name == "ceil_mode").i = 0
             changed.append(pool.name)
             continue
-        rewritten = replace_nodes(model, {"AveragePool": average_pool}, [pool], shapes=shapes, failed={})
-        changed += rewritten
-        if not rewritten:
-            kept.add(pool.name)
+        failed = {}
+        changed += replace_nodes(model, {"AveragePool": average_pool}, [pool], shapes=shapes, failed=failed)
+        if failed:
+            raise SizesNeeded(f"{failed[pool.name]}: its ceil_mode windows and divisors are torch's at known sizes only")
     if dropped:
         _declare_inferred_output_sizes(model)
     return changed
