@@ -202,7 +202,7 @@ def _symbolic_shape(name, tensor, batch_size, dynamic=()):
     ``dynamic`` too ('<name>_dim<i>')."""
     shape = [f"{name}_dim{index}" if index in dynamic else dim for index, dim in enumerate(tensor.shape)]
     if shape:
-        shape[0] = "batch" if shape[0] == batch_size else f"{name}_dim0"
+        shape[0] = "batch" if tensor.shape[0] == batch_size else f"{name}_dim0"
     return shape
 
 

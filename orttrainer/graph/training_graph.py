@@ -96,6 +96,21 @@ def refuse_recurrent_layers_onnx_runtime_cannot_train(model: onnx.ModelProto) ->
                 )
 
 
+def refuse_pool_gradients_of_dynamic_sizes(model: onnx.ModelProto) -> None:
+    """Raise GradientBuildError for ONNX Runtime's MaxPoolGrad in a graph whose inputs leave sizes past the batch
+    dynamic (an image's height and width): the kernel takes the sizes of the gradient it writes from the graph when
+    the session opens (but the batch's, from dy in each run), and wrote past its buffer at a run (a segmentation
+    fault). Called for graphs that stay on ONNX Runtime's kernels (mixed precision keeps its MaxPoolGrad); the
+    trainer then builds such a graph per size."""
+    gradient = next((node for node in model.graph.node if node.op_type == "MaxPoolGrad"), None)
+    free = [graph_input.name for graph_input in model.graph.input
+            if any(not dim.HasField("dim_value") for dim in graph_input.type.tensor_type.shape.dim[1:])]  # fmt: skip
+    if gradient is not None and free:
+        raise GradientBuildError(f"{describe_node(gradient)}: ONNX Runtime's MaxPoolGrad needs the sizes of its input "
+                                 f"known when the session opens (all but the batch's), and inputs {free} leave some "
+                                 "dynamic; give model_desc fixed sizes for them")  # fmt: skip
+
+
 def refuse_ctc_losses(model: onnx.ModelProto, why: str, error=None) -> None:
     """Raise ``error`` (GradientBuildError by default) naming the first CTC loss in ``model`` (ONNX Runtime has none,
     torch_ctc.py), followed by ``why`` it cannot be run here."""

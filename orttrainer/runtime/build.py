@@ -594,6 +594,7 @@ def _open_sessions(graphs, device, providers, options, one_thread: bool, convolu
             defined_gradients.spell_forwards(model)
         if device.type == "cpu":
             training_graph.refuse_recurrent_layers_onnx_runtime_cannot_train(model)
+        training_graph.refuse_pool_gradients_of_dynamic_sizes(model)
         return open_session(model, optimized_model_path=optimized_model_path)
 
     try:  # only the training graph goes to the save path: the eval session would overwrite it
