@@ -456,7 +456,7 @@ def cohere_lm():
 def mixtral_lm(**changes):
     """Mixtral: a mixture of 4 SiLU-gated experts, 2 per token, routed by softmax over a gate, in transformers' default
     experts implementation ("grouped_mm": tokens sorted by expert and counted with torch.histc), which the trainer
-    traces as "batched_mm" (export/experts.py). ``changes`` go to the config."""
+    traces with every expert computing every token (export/experts.py). ``changes`` go to the config."""
     import transformers
 
     config = transformers.MixtralConfig(**{**dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40,

@@ -220,9 +220,9 @@ def _known_fix(model, message: str) -> str:
     kept = experts.other_implementations(model)
     if kept:
         return (f". {type(model).__name__} computes its experts in transformers' {' and '.join(map(repr, kept))} "
-                "experts implementation, which the trainer traces as it is (it traces 'eager' and 'grouped_mm' as "
-                "'batched_mm', the same experts for every routing); if the op is in the experts, call "
-                "model.set_experts_implementation('batched_mm') before creating the trainer")
+                "experts implementation, which the trainer traces as it is (it traces 'eager' and 'grouped_mm' in a "
+                "form that computes the same experts for every routing); if the op is in the experts, call "
+                "model.set_experts_implementation('grouped_mm') before creating the trainer")
     if "unordered_map::at" in message:
         return (". torch's exporter fails this way on torch.utils.checkpoint(..., use_reentrant=True) in forward: pass "
                 "use_reentrant=False (the gradients are the same; orttrainer trains the forward as if not checkpointed)")
