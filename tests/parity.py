@@ -6,6 +6,7 @@ from collections.abc import Mapping
 import torch
 
 from orttrainer import ORTTrainer, ORTTrainerOptions
+from orttrainer.optim import SGDConfig
 
 # Against a float64 torch run: orttrainer's value may lie K times as far from it as float32 torch's, plus a floor of
 # FLOOR_ATOL + FLOOR_RTOL * |value| (a few float32 ulps, below the fixed 1e-5 of the direct comparison).
@@ -173,6 +174,22 @@ def train_keywords_like_torch(trainer, reference, reference64, batches, lr, comp
             optimizer.zero_grad()
         compare_outputs(outputs, expected, expected64, f"train_step {step}")
         assert_state_within_float32_error(trainer, reference, reference64, step=step)
+
+
+def keywords_trained_and_evaluated_like_torch(model, batches, eval_batch, lr):
+    """``train_keywords_like_torch`` with SGD (``lr``) on a trainer over ``model`` (on the CPU) and on its float32 and
+    float64 copies, then ``trainer.eval_step(**eval_batch)`` against both copies in eval mode: (the trainer,
+    eval_step's outputs, torch's float32 outputs, float64 outputs, the float32 copy, the float64 copy)."""
+    reference, reference64 = copy.deepcopy(model), float64_copy(model)
+    trainer = ORTTrainer(model, None, SGDConfig(lr=lr), options=cpu_options())
+    train_keywords_like_torch(trainer, reference, reference64, batches, lr, assert_outputs_within_float32_error)
+    reference.eval()
+    reference64.eval()
+    with torch.no_grad():
+        expected, expected64 = reference(**eval_batch), reference64(**float64_batch(eval_batch))
+    outputs = trainer.eval_step(**eval_batch)
+    assert_outputs_within_float32_error(outputs, expected, expected64, "eval_step")
+    return trainer, outputs, expected, expected64, reference, reference64
 
 
 def assert_state_within_float32_error(trainer, reference, reference64, step=None):

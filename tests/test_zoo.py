@@ -9,7 +9,6 @@ torch loop over the same batches as the float32 one is (parity.assert_within_flo
 the layer norms, softmaxes and variances of these models round differently on other CPUs.
 """
 
-import copy
 import functools
 from collections.abc import Mapping
 
@@ -18,10 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 import zoo
-from parity import (assert_outputs_within_float32_error, assert_within_float32_error, cpu_options, float64_batch, float64_copy, run_parity,
-                    train_keywords_like_torch)
+from parity import assert_within_float32_error, float64_batch, keywords_trained_and_evaluated_like_torch, run_parity
 
-from orttrainer import ORTTrainer, optim
+from orttrainer import optim
 
 LR = 0.1
 
@@ -127,16 +125,8 @@ def _check_hugging_face(tmp_path, model, batches, eval_batch):
     """The HF user's loop: ``trainer.train_step(**batch)`` with labels (or return_loss=True) in the batch,
     the model's own loss, its ModelOutput back; against ``model(**batch).loss.backward()`` and torch SGD."""
     model.train()
-    reference, reference64 = copy.deepcopy(model), float64_copy(model)
-    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=LR), options=cpu_options())
-    train_keywords_like_torch(trainer, reference, reference64, batches, LR, assert_outputs_within_float32_error)
-
-    reference.eval()
-    reference64.eval()
-    with torch.no_grad():
-        expected, expected64 = reference(**eval_batch), reference64(**float64_batch(eval_batch))
-    assert_outputs_within_float32_error(trainer.eval_step(**eval_batch), expected, expected64, "eval_step")
-
+    trainer, _, expected, expected64, reference, reference64 = keywords_trained_and_evaluated_like_torch(
+        model, batches, eval_batch, LR)
     _loads_strictly(model, trainer, reference, reference64)
 
     for with_loss in (True, False):
