@@ -61,7 +61,8 @@ def torch_reference(function, inputs: dict, upstream, differentiable, dtype=torc
                                   requires_grad=name in differentiable)
                for name, value in inputs.items()}  # fmt: skip
     output = function(**tensors)
-    (output * torch.as_tensor(upstream, dtype=dtype)).sum().backward()
+    if differentiable:
+        (output * torch.as_tensor(upstream, dtype=dtype)).sum().backward()
     gradients = {name: tensors[name].grad.numpy() for name in differentiable}
     return output.detach().numpy(), gradients
 

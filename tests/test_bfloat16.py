@@ -9,9 +9,11 @@ import onnxruntime
 import pytest
 import torch
 import torch.nn.functional as F
+from boundary import edge_values, exported_model, run_training_graph, torch_reference, upstream_like
 from models import CNN, MLP, Encoder, MLPWithLoss, cnn_batch, lm_loss, mlp_batch, token_batch, training_onnx
 from onnx import TensorProto, helper
-from parity import cpu_options, run_parity
+from parity import (assert_outputs_within_float32_error, assert_within_float32_error, cpu_options, float64_copy, run_parity,
+                    train_keywords_like_torch)
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, amp, optim
 from orttrainer.graph import bfloat16, cpu_kernels
@@ -48,6 +50,49 @@ def test_trains_as_torch_autocast_within_its_distance_from_float64(name):
     batches = [make_batch(generator=generator) for _ in range(4)]
     run_parity(make(), batches, optim.SGDConfig(lr=LR), sgd, loss_fn=loss_fn, options=cpu_options(BFLOAT16),
                reference_loss=autocast_loss(loss_fn), float64=True)  # fmt: skip
+
+
+def autocast_forward(module):
+    """``module`` with its forward run under torch.autocast("cpu", bfloat16), as a torch.autocast loop calls it."""
+    forward = module.forward
+
+    def forward_under_autocast(*args, **kwargs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return forward(*args, **kwargs)
+
+    module.forward = forward_under_autocast
+    return module
+
+
+def hugging_face_models():
+    """{name: (model maker, batch maker)}: tiny random-init BERT and GPT-2 of test_hf_models.py, in transformers'
+    default "sdpa" attention, their batches padded (an attention mask with masked keys)."""
+    hf = pytest.importorskip("test_hf_models", reason="Hugging Face models need transformers (the test extra)")
+    return {"bert-classification": (hf.bert_classifier, hf.classification_batch), "gpt2-lm": (hf.gpt2_lm, hf.causal_lm_batch)}
+
+
+@pytest.mark.parametrize("name", ["bert-classification", "gpt2-lm"])
+def test_hugging_face_model_trains_as_torch_autocast(name):
+    """BERT and GPT-2 through scaled_dot_product_attention with a mask: the outputs (loss, logits, hidden states) and
+    every state_dict key over 4 SGD steps within K times the torch.autocast loop's distance from float64."""
+    make, make_batch = hugging_face_models()[name]
+    torch.manual_seed(0)
+    model = make()
+    assert model.config._attn_implementation == "sdpa"
+    generator = torch.Generator().manual_seed(1)
+    batches = [make_batch(generator) for _ in range(4)]
+    assert all((batch["attention_mask"] == 0).any() for batch in batches)
+    reference, reference64 = autocast_forward(copy.deepcopy(model)), float64_copy(model)
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=LR), options=cpu_options(BFLOAT16))
+    train_keywords_like_torch(trainer, reference, reference64, batches, LR, compare_returned_fields)
+
+
+def compare_returned_fields(outputs, expected, expected64, where):
+    """Each field train_step returns (GPT-2's past_key_values is left out of the graph) as close to float64 as
+    torch.autocast's, and the loss and logits among them."""
+    assert {"loss", "logits"} <= set(outputs.keys()), f"{where}: fields {list(outputs.keys())}"
+    for key in outputs.keys():
+        assert_outputs_within_float32_error(outputs[key], expected[key], expected64[key], f"{where}.{key}")
 
 
 class AutocastInForward(MLP):
@@ -233,3 +278,110 @@ def test_an_onnx_model_is_refused_in_bfloat16(tmp_path):
     model = training_onnx(MLPWithLoss(), mlp_batch(), tmp_path / "mlp.onnx")
     with pytest.raises(ValueError, match="mixed_precision.dtype torch.bfloat16 trains a torch.nn.Module"):
         ORTTrainer(model, None, optim.SGDConfig(lr=LR), options=cpu_options(BFLOAT16))
+
+
+# ------------------------------------------------------------------------------- symbolics given bfloat16 inputs
+def bfloat16_values(*extra):
+    """boundary.edge_values and ``extra`` rounded to bfloat16 (FLT_MAX to inf), as float32."""
+    return torch.tensor(edge_values(*extra)).bfloat16().float().numpy()
+
+
+def bfloat16_rows(shape, seed=0):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).bfloat16().float().numpy()
+
+
+X = bfloat16_values(0.5, -0.5, 0.25, -1.5, 2.0, 3.0, -3.0, 7.0, 1e-3, 0.75, -0.75, 40.0)
+UNIT = np.array([0.0, -0.0, 1e-30, 0.5, -0.5, 0.9921875, -0.9921875, 1.0, -1.0, 2.0, np.nan], np.float32)
+AT_LEAST_ONE = np.array([1.0, 1.0078125, 1.5, 2.0, 4096.0, 1e20, 3e38, np.inf, np.nan, 0.5, 0.0], np.float32)
+FINITE_ROWS = bfloat16_rows((6, 8))
+FINITE_ROWS[1] = 0.0  # a zero row
+ROWS = FINITE_ROWS.copy()
+ROWS[0, :2], ROWS[2, 3] = (np.inf, -np.inf), np.nan  # an infinite row, a NaN
+QUERIES, KEYS, VALUES = bfloat16_rows((2, 5, 4), 1), bfloat16_rows((2, 3, 4), 2), bfloat16_rows((2, 3, 6), 3)
+TARGETS = np.array([0, 2, 1, 7, 3, 2], np.int64)
+# name: (function of bfloat16 tensors (float64 ones for the reference), {input: float32 value}, trainable inputs).
+# cdist is left out: torch.autocast computes it in float32, and torch's CPU cdist has no bfloat16 kernel.
+SYMBOLIC_CASES = {
+    "floor_divide": (lambda x: torch.floor_divide(x, 0.75), {"x": X[np.isfinite(X) | np.isnan(X)]}, []),  # inf // 0.75:
+    # torch NaN, orttrainer inf (in float32 too)
+    "threshold": (lambda x: F.threshold(x, 0.5, -2.0), {"x": X}, ["x"]),
+    "softplus": (lambda x: F.softplus(x, beta=2.0, threshold=5.0), {"x": X}, ["x"]),
+    "clamp": (lambda x: x.clamp(-1.5, 0.5), {"x": X}, ["x"]),
+    "clamp_min-tensor": (lambda x: torch.clamp_min(x, torch.full_like(x, 0.25)), {"x": X}, ["x"]),
+    "clamp_max": (lambda x: torch.clamp_max(x, -1.0), {"x": X}, ["x"]),
+    "hardtanh": (lambda x: F.hardtanh(x, -0.5, 0.75), {"x": X}, ["x"]),
+    "relu6": (lambda x: F.relu6(x), {"x": X}, ["x"]),
+    "atan2": (lambda y, x: torch.atan2(y, x), {"y": np.repeat(X[:16], 16), "x": np.tile(X[:16], 16)}, ["y", "x"]),
+    "hardshrink": (lambda x: F.hardshrink(x, 0.5), {"x": X}, ["x"]),
+    "softshrink": (lambda x: F.softshrink(x, 0.5), {"x": X}, ["x"]),
+    "sinh": (torch.sinh, {"x": X}, ["x"]),
+    "cosh": (torch.cosh, {"x": X}, ["x"]),
+    "asinh": (torch.asinh, {"x": X}, ["x"]),
+    "acosh": (torch.acosh, {"x": AT_LEAST_ONE}, ["x"]),
+    "atanh": (torch.atanh, {"x": UNIT}, ["x"]),
+    "log_sigmoid": (F.logsigmoid, {"x": X}, ["x"]),
+    "baddbmm-beta-0": (lambda x, a, b: torch.baddbmm(x, a, b, beta=0.0, alpha=0.5),
+                       {"x": np.full((2, 5, 3), np.nan, np.float32), "a": QUERIES, "b": bfloat16_rows((2, 4, 3))}, ["a", "b"]),
+    "layer_norm": (lambda x, w: F.layer_norm(x, (8,), w), {"x": ROWS[3:], "w": bfloat16_rows((8,), 2)}, ["x", "w"]),
+    "batch_norm-no-statistics": (lambda x: F.batch_norm(x, None, None, training=True), {"x": ROWS[3:]}, ["x"]),
+    "rms_norm": (lambda x, w: F.rms_norm(x, (8,), w), {"x": ROWS, "w": bfloat16_rows((8,), 2)}, ["x", "w"]),
+    "bilinear": (lambda a, b, w: F.bilinear(a, b, w), {"a": ROWS[3:, :3], "b": ROWS[3:, 3:7], "w": bfloat16_rows((2, 3, 4), 3)}, ["a", "b", "w"]),
+    "adaptive_avg_pool1d": (lambda x: F.adaptive_avg_pool1d(x, 3), {"x": ROWS[None, 3:]}, ["x"]),
+    "max-dim": (lambda x: x.max(1).values, {"x": ROWS}, ["x"]),
+    "argmin": (lambda x: torch.argmin(x, 1).to(x.dtype), {"x": ROWS}, []),
+    "vector_norm-3": (lambda x: torch.linalg.vector_norm(x, 3.0, dim=1), {"x": ROWS}, ["x"]),
+    "std": (lambda x: x.std(1), {"x": ROWS}, ["x"]),
+    "var_mean": (lambda x: torch.stack(torch.var_mean(x, 1)), {"x": ROWS}, ["x"]),
+    "sort": (lambda x: torch.sort(x, 1).values, {"x": ROWS}, ["x"]),
+    "topk": (lambda x: torch.topk(x, 3, 1).values, {"x": ROWS[[0, 2, 3, 4, 5]]}, ["x"]),  # the zero row's ties: torch
+    # picks the last of them here, orttrainer the first (in float32 too)
+    "diff": (lambda x: torch.diff(x, dim=1), {"x": ROWS}, ["x"]),
+    "cumsum": (lambda x: torch.cumsum(x, 1), {"x": ROWS}, ["x"]),
+    "cumprod": (lambda x: torch.cumprod(x, 1), {"x": ROWS}, ["x"]),
+    "dot": (lambda a, b: torch.dot(a, b), {"a": ROWS[4], "b": ROWS[5]}, ["a", "b"]),
+    "mv": (lambda m, v: torch.mv(m, v), {"m": ROWS, "v": ROWS[5]}, ["m", "v"]),
+    "pairwise_distance": (lambda a, b: F.pairwise_distance(a, b), {"a": FINITE_ROWS, "b": FINITE_ROWS[::-1].copy()}, ["a", "b"]),
+    "cosine_similarity": (lambda a, b: F.cosine_similarity(a, b), {"a": FINITE_ROWS, "b": FINITE_ROWS[::-1].copy()}, ["a", "b"]),
+    "index_add": (lambda x, y: x.index_add(0, torch.tensor([1, 0, 1]), y), {"x": ROWS[:2], "y": ROWS[3:]}, ["x", "y"]),
+    "embedding_bag-mean": (lambda w: F.embedding_bag(torch.tensor([0, 2, 2, 5, 1]), w, torch.tensor([0, 2]), mode="mean"),
+                           {"w": ROWS}, ["w"]),
+    "scaled_dot_product_attention-bool-mask": (
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=torch.tensor([[True, False, True]] * 4 + [[False] * 3])),
+        {"q": QUERIES, "k": KEYS, "v": VALUES}, ["q", "k", "v"]),
+    "scaled_dot_product_attention-float-mask": (
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=torch.tensor([0.0, -1.5, float("-inf")]), scale=0.3),
+        {"q": QUERIES, "k": KEYS, "v": VALUES}, ["q", "k", "v"]),
+    "l1_loss": (lambda x, t: F.l1_loss(x, t), {"x": FINITE_ROWS, "t": FINITE_ROWS[::-1].copy()}, ["x"]),
+    "smooth_l1_loss": (lambda x, t: F.smooth_l1_loss(x, t, reduction="none"), {"x": FINITE_ROWS, "t": FINITE_ROWS[::-1].copy()}, ["x"]),
+    "huber_loss": (lambda x, t: F.huber_loss(x, t, delta=0.5), {"x": FINITE_ROWS, "t": FINITE_ROWS[::-1].copy()}, ["x"]),
+    "binary_cross_entropy_with_logits": (lambda x, t: F.binary_cross_entropy_with_logits(x, t, reduction="none"),
+                                         {"x": FINITE_ROWS, "t": (FINITE_ROWS[::-1] > 0).astype(np.float32)}, ["x"]),
+    "soft_margin_loss": (lambda x, t: F.soft_margin_loss(x, t, reduction="none"),
+                         {"x": FINITE_ROWS, "t": np.sign(FINITE_ROWS[::-1] + 0.1).astype(np.float32)}, ["x"]),
+    "cross_entropy": (lambda x, t: F.cross_entropy(x, t, reduction="none"), {"x": FINITE_ROWS[3:], "t": TARGETS[:3]}, ["x"]),
+    "nll_loss": (lambda x, t: F.nll_loss(F.log_softmax(x, 1), t, ignore_index=7), {"x": FINITE_ROWS, "t": TARGETS}, ["x"]),
+}
+
+
+@pytest.mark.parametrize("case", SYMBOLIC_CASES)
+def test_a_symbolic_given_bfloat16_inputs_computes_as_torchs_bfloat16_kernel(case):
+    """Every computing symbolic of export/symbolics on inputs torch.autocast computed in bfloat16: it exports
+    (constants were built through numpy, which has no bfloat16) and computes in float32 between casts; its value and
+    the gradients within K times torch's bfloat16 distance from float64 (parity.assert_within_float32_error), NaN and
+    infinities where torch's bfloat16 kernels give them. The gradient at an input that is NaN itself is not compared
+    (boundary.check_against_torch says why)."""
+    function, values, trainable = SYMBOLIC_CASES[case]
+
+    def in_bfloat16(**tensors):  # the symbolic gets bfloat16 inputs; the loss reads float32
+        return function(**{name: value.bfloat16() if value.is_floating_point() else value for name, value in tensors.items()}).float()
+
+    upstream = upstream_like(tuple(in_bfloat16(**{name: torch.tensor(value) for name, value in values.items()}).shape))
+    model = bfloat16.compute_in_float32(exported_model(in_bfloat16, values, upstream, trainable))
+    results, _ = run_training_graph(model, values, trainable)
+    expected, gradients = torch_reference(in_bfloat16, values, upstream, trainable, torch.float32)
+    expected64, gradients64 = torch_reference(function, values, upstream, trainable)
+    assert_within_float32_error(results["output"], expected, expected64, f"{case} value")
+    for name in trainable:
+        compared = ~np.isnan(values[name])
+        assert_within_float32_error(results[f"{name}_grad"].reshape(values[name].shape)[compared], gradients[name][compared],
+                                    gradients64[name][compared], f"{case} gradient of {name}")  # fmt: skip

@@ -18,12 +18,18 @@ from torch.onnx._internal.torchscript_exporter import utils as exporter_utils
 
 from ...api.options import MAX_OPSET, MIN_OPSET
 from . import elementwise, indexing, layers, losses, reductions
-from ._graph import DOMAIN
+from ._graph import DOMAIN, _bfloat16_in_float32
 
 __all__ = ["DOMAIN", "exporting"]
 
 _SYMBOLICS = {**elementwise.SYMBOLICS, **losses.SYMBOLICS, **reductions.SYMBOLICS, **indexing.SYMBOLICS, **layers.SYMBOLICS}
 _OPSETS = range(MIN_OPSET, MAX_OPSET + 1)
+# aten ops whose symbolics take bfloat16 inputs as they are: they move values (exact in any type; ONNX Runtime's
+# bfloat16 kernels or graph/bfloat16.py run them), or refuse bfloat16 themselves (histc). The others compute in
+# float32 between casts (_bfloat16_in_float32).
+_GIVEN_BFLOAT16 = {"detach", "index", "index_put", "matrix_H", "mH", "split", "embedding", "one_hot", "channel_shuffle",
+                   "diagonal", "diag", "repeat_interleave", "constant_pad_nd", "pad", "histc",
+                   *(f"{kind}_pad{dims}d" for kind in ("reflection", "replication") for dims in (1, 2, 3))}  # fmt: skip
 
 
 def _custom_symbolics() -> dict:
@@ -65,6 +71,7 @@ def exporting():
     """
     saved = _custom_symbolics()
     for name, function in _SYMBOLICS.items():
+        function = function if name in _GIVEN_BFLOAT16 else _bfloat16_in_float32(function)
         for version in _OPSETS:
             torch.onnx.register_custom_op_symbolic(f"aten::{name}", function, version)
     try:

@@ -1,8 +1,11 @@
 """What every symbolic builds with: torch's export graph as a ``rewrites.OpEmitter`` (so that rewrites.py's
-formulas emit into it), constants of an exported value's type, torch's loss reductions, and the module a node
-comes from (for errors)."""
+formulas emit into it), constants of an exported value's type, bfloat16 inputs computed in float32, torch's loss
+reductions, and the module a node comes from (for errors)."""
+
+import functools
 
 import numpy as np
+import onnx
 import torch
 from torch.onnx._internal.torchscript_exporter import _type_utils
 
@@ -40,12 +43,46 @@ class _ExportGraph(rewrites.OpEmitter):
         return self.g.op(op_type, *inputs, **suffixed)
 
     def const(self, value, dtype=np.float32):
-        return self.g.op("Constant", value_t=torch.from_numpy(np.array(value, dtype=dtype)))
+        """A Constant of ``value`` in ``dtype``: a torch dtype (an exported value's, ``_dtype``) or a numpy one (the
+        literal types of rewrites' formulas)."""
+        return self.g.op("Constant", value_t=torch.as_tensor(value, dtype=_torch_dtype(dtype)))
 
 
-def _numpy_dtype(value) -> np.dtype:
-    """The element type of an exported value, as numpy's (for constants of the same type)."""
-    return torch.empty(0, dtype=_type_utils.JitScalarType.from_value(value).dtype()).numpy().dtype
+def _torch_dtype(dtype) -> torch.dtype:
+    """``dtype`` (torch's or numpy's) as torch's."""
+    return dtype if isinstance(dtype, torch.dtype) else torch.from_numpy(np.empty(0, dtype)).dtype
+
+
+def _dtype(value) -> torch.dtype:
+    """The element type of an exported value, as torch's (for constants of the same type): numpy has no bfloat16,
+    the type of a value torch.autocast computed in bfloat16."""
+    return _type_utils.JitScalarType.from_value(value).dtype()
+
+
+def _bfloat16_in_float32(symbolic):
+    """``symbolic`` computing in float32 where its inputs are bfloat16 (values torch.autocast computed in bfloat16):
+    those inputs cast to float32, the outputs torch's op gives in bfloat16 cast back. The symbolic's own float32
+    formulas and constants then apply, and it rounds once, as torch's bfloat16 CPU kernels do (ONNX Runtime's CPU
+    provider has no bfloat16 kernels for it either: graph/bfloat16.py)."""
+
+    @functools.wraps(symbolic)
+    def in_float32(g, *args, **kwargs):
+        if not any(_is_bfloat16(arg) for arg in args):
+            return symbolic(g, *args, **kwargs)
+        widened = [g.op("Cast", arg, to_i=onnx.TensorProto.FLOAT) if _is_bfloat16(arg) else arg for arg in args]
+        outputs = symbolic(g, *widened, **kwargs)
+        several = isinstance(outputs, (tuple, list))
+        rounded = [g.op("Cast", output, to_i=onnx.TensorProto.BFLOAT16) if _is_bfloat16(original) and output is not None
+                   else output for output, original in zip(outputs if several else [outputs], g.original_node.outputs())]
+        return type(outputs)(rounded) if several else rounded[0]
+
+    return in_float32
+
+
+def _is_bfloat16(value) -> bool:
+    """Whether ``value`` (a symbolic's argument, or a node's output) is a bfloat16 tensor."""
+    return (isinstance(value, torch._C.Value) and isinstance(value.type(), torch._C.TensorType)
+            and value.type().scalarType() == "BFloat16")
 
 
 def _module_scope(g) -> str:

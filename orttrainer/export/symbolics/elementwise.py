@@ -7,7 +7,7 @@ from torch.onnx import symbolic_helper
 from torch.onnx._internal.torchscript_exporter import _type_utils, symbolic_opset9, symbolic_opset10, symbolic_opset11
 
 from ...graph import rewrites
-from ._graph import DOMAIN, _constant, _ExportGraph, _numpy_dtype
+from ._graph import DOMAIN, _constant, _dtype, _ExportGraph
 
 
 def detach(g, x):
@@ -59,7 +59,7 @@ def hardshrink(g, x, lambd):
     """torch's hardshrink: 0 where -lambd <= x <= lambd, else x (NaN stays NaN and gets the gradient, as in torch's
     kernel; torch's symbolic selected x where x > lambd or x < -lambd, so NaN became 0)."""
     build = _ExportGraph(g)
-    dtype = _numpy_dtype(x)
+    dtype = _dtype(x)
     inside = build.op("And", [build.op("GreaterOrEqual", [x, build.const(-lambd, dtype)]),
                               build.op("LessOrEqual", [x, build.const(lambd, dtype)])])  # fmt: skip
     return build.op("Where", [inside, build.const(0.0, dtype), x])
@@ -70,7 +70,7 @@ def softshrink(g, x, lambd):
     """torch's softshrink: x - lambd above lambd, x + lambd below -lambd, x * 0 between (so NaN stays NaN, as in
     torch's kernel; torch's symbolic added two Wheres of 0, so NaN became 0)."""
     build = _ExportGraph(g)
-    dtype = _numpy_dtype(x)
+    dtype = _dtype(x)
     positive, negative = build.const(lambd, dtype), build.const(-lambd, dtype)
     between = build.op("Where", [build.op("Less", [x, negative]), build.op("Add", [x, positive]),
                                  build.op("Mul", [x, build.const(0.0, dtype)])])  # fmt: skip
@@ -88,7 +88,7 @@ def atan2(g, y, x):
     with y', x' the detached inputs: 0 in value (taken as 0 where it is NaN, at infinite inputs), the
     factors constants to the gradient builder.
     """
-    if _numpy_dtype(y) != np.float32 or _numpy_dtype(x) != np.float32:
+    if _dtype(y) != torch.float32 or _dtype(x) != torch.float32:
         return symbolic_opset9.atan2(g, y, x)
     build = _ExportGraph(g)
     y_value, x_value = detach(g, y), detach(g, x)
@@ -96,7 +96,7 @@ def atan2(g, y, x):
     angle = build.op("Atan", [build.op("Div", [size_y, size_x])])
     both_zero = build.op("And", [build.op("Equal", [size_y, build.const(0.0)]), build.op("Equal", [size_x, build.const(0.0)])])
     angle = rewrites.where(build, both_zero, 0.0, angle)
-    infinity = build.const(float("inf"), _numpy_dtype(y))  # Equal rather than IsInf, which takes no float16 before opset 20
+    infinity = build.const(float("inf"), _dtype(y))  # Equal rather than IsInf, which takes no float16 before opset 20
     both_infinite = build.op("And", [build.op("Equal", [size_y, infinity]), build.op("Equal", [size_x, infinity])])
     angle = rewrites.where(build, both_infinite, float(np.pi / 4), angle)
     angle = rewrites.where(build, rewrites.sign_bit(build, x_value), build.op("Sub", [build.const(np.pi), angle]), angle)
@@ -152,8 +152,8 @@ def threshold(g, x, threshold, value):
     if threshold == 0 and value == 0:
         return g.op("Relu", x)
     build = _ExportGraph(g)
-    return rewrites.where(build, build.op("LessOrEqual", [x, build.const(threshold, _numpy_dtype(x))]),
-                          build.const(value, _numpy_dtype(x)), x)  # fmt: skip
+    return rewrites.where(build, build.op("LessOrEqual", [x, build.const(threshold, _dtype(x))]),
+                          build.const(value, _dtype(x)), x)  # fmt: skip
 
 
 def _log_sigmoid(g, x):

@@ -10,7 +10,7 @@ from torch.onnx._internal.torchscript_exporter import (_type_utils, symbolic_ops
                                                        symbolic_opset13, symbolic_opset16)
 
 from ...graph import rewrites
-from ._graph import DOMAIN, _ExportGraph, _module_scope, _numpy_dtype
+from ._graph import DOMAIN, _dtype, _ExportGraph, _module_scope
 
 
 def _from_the_end_wrapped(g, index, size):
@@ -69,7 +69,7 @@ def embedding_bag(g, weight, indices, offsets, scale_grad_by_freq, mode, sparse,
     if scale_grad_by_freq:
         raise ValueError(f"nn.EmbeddingBag '{_module_scope(g)}' with scale_grad_by_freq=True: orttrainer does not "
                          "train it (only nn.Embedding's); set scale_grad_by_freq=False")  # fmt: skip
-    build, dtype = _ExportGraph(g), _numpy_dtype(weight)
+    build, dtype = _ExportGraph(g), _dtype(weight)
     rows, valid, positions = _bags(build, weight, indices, offsets, include_last_offset, padding_idx)
     kept = build.unsqueeze(valid, [2])  # [bags, longest, 1]
     if not symbolic_helper._is_none(per_sample_weights):  # mode "sum" (torch refuses the others)
@@ -116,7 +116,7 @@ def _weighted_sum(build, rows, kept, positions, per_sample_weights, dtype):
     weights = build.unsqueeze(build.op("Cast", [build.op("Gather", [padded, positions])], to=double), [2])
     products = build.op("Mul", [build.op("Cast", [rows], to=double), weights])
     total = build.reduce("ReduceSum", build.op("Where", [kept, products, build.const(0, np.float64)]), [1], 0)
-    return build.op("Cast", [total], to=onnx.helper.np_dtype_to_tensor_dtype(dtype))
+    return build.op("Cast", [total], to=_type_utils.JitScalarType.from_dtype(dtype).onnx_type())
 
 
 def _first_running_max(build, rows, kept, dtype):

@@ -7,7 +7,7 @@ from torch.onnx import symbolic_helper
 from torch.onnx._internal.torchscript_exporter import (_type_utils, symbolic_opset9, symbolic_opset11,
                                                        symbolic_opset14, symbolic_opset17)
 
-from ._graph import _constant, _ExportGraph, _module_scope, _numpy_dtype
+from ._graph import _constant, _dtype, _ExportGraph, _module_scope
 
 
 @symbolic_helper.parse_args("v", "v", "v", "v")
@@ -30,8 +30,8 @@ def rms_norm(g, x, normalized_shape, weight, eps):
     """torch's rms_norm (nn.RMSNorm), which the exporter refuses: x * rsqrt(mean(x * x) + eps) * weight
     over the last ``len(normalized_shape)`` dimensions, eps the dtype's machine epsilon when None, as
     torch's CPU composite computes it (x * rsqrt as x / sqrt: ONNX has no Rsqrt)."""
-    build, dtype = _ExportGraph(g), _numpy_dtype(x)
-    eps = np.finfo(dtype).eps if symbolic_helper._is_none(eps) else symbolic_helper._get_const(eps, "f", "eps")
+    build, dtype = _ExportGraph(g), _dtype(x)
+    eps = torch.finfo(dtype).eps if symbolic_helper._is_none(eps) else symbolic_helper._get_const(eps, "f", "eps")
     axes = list(range(-len(normalized_shape), 0))
     mean_square = build.reduce("ReduceMean", build.op("Mul", [x, x]), axes, 1)
     root = build.op("Sqrt", [build.op("Add", [mean_square, build.const(eps, dtype)])])
@@ -94,7 +94,7 @@ def feature_dropout(g, x, p, train):
     build = _ExportGraph(g)
     batch_and_channels = build.op("Slice", [build.op("Shape", [x]), build.const([0], np.int64), build.const([2], np.int64)])
     per_channel = build.op("Concat", [batch_and_channels, build.const([1] * (rank - 2), np.int64)], axis=0)
-    ones = g.op("ConstantOfShape", per_channel, value_t=torch.from_numpy(np.ones(1, _numpy_dtype(x))))
+    ones = g.op("ConstantOfShape", per_channel, value_t=torch.ones(1, dtype=_dtype(x)))
     mask = g.op("Dropout", ones, _constant(g, p), g.op("Constant", value_t=torch.tensor(True)))
     return g.op("Mul", x, mask)
 
@@ -113,10 +113,10 @@ def scaled_dot_product_attention(g, query, key, value, attn_mask=None, dropout_p
         return torch_symbolic(g, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if _type_utils.JitScalarType.from_value(attn_mask) == _type_utils.JitScalarType.BOOL:  # as torch's symbolic turns it
         attn_mask = g.op("Where", attn_mask, _constant(g, [0.0]), _constant(g, [-float("inf")]))
-    build, dtype = _ExportGraph(g), _numpy_dtype(query)
+    build, dtype = _ExportGraph(g), _dtype(query)
     # [..., queries, 1]: whether a query's every key is masked
-    no_key = g.op("Equal", build.reduce("ReduceMax", attn_mask, [-1], 1), build.const(-np.inf, _numpy_dtype(attn_mask)))
-    safe_mask = g.op("Where", no_key, build.const(0.0, _numpy_dtype(attn_mask)), attn_mask)
+    no_key = g.op("Equal", build.reduce("ReduceMax", attn_mask, [-1], 1), build.const(-np.inf, _dtype(attn_mask)))
+    safe_mask = g.op("Where", no_key, build.const(0.0, _dtype(attn_mask)), attn_mask)
     attended = torch_symbolic(g, query, key, value, safe_mask, dropout_p, is_causal, scale, enable_gqa)
     return g.op("Where", no_key, build.const(0.0, dtype), attended)
 

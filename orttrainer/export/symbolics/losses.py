@@ -10,7 +10,7 @@ from torch.onnx._internal.torchscript_exporter import _type_utils
 
 from ...graph import rewrites
 from ...graph.nodes_for_torch import ATEN_DOMAIN, CTC_LOSS
-from ._graph import _constant, _ExportGraph, _module_scope, _numpy_dtype, _reduce
+from ._graph import _constant, _dtype, _ExportGraph, _module_scope, _reduce
 from .elementwise import _clamp_min, detach
 from .reductions import pairwise_distance
 
@@ -197,7 +197,7 @@ def cross_entropy_loss(g, scores, target, weight, reduction, ignore_index, label
     if not isinstance(ignore_index, int):
         build = _ExportGraph(g)
         ignored = g.op("Equal", target, g.op("Cast", ignore_index, to_i=_type_utils.JitScalarType.from_value(target).onnx_type()))
-        target = g.op("Where", ignored, build.const(_TARGET_IGNORED_AT_RUN_TIME, _numpy_dtype(target)), target)
+        target = g.op("Where", ignored, build.const(_TARGET_IGNORED_AT_RUN_TIME, _dtype(target)), target)
         ignore_index = _TARGET_IGNORED_AT_RUN_TIME
     weighted = not symbolic_helper._is_none(weight)
     sizes, rank = symbolic_helper._get_tensor_sizes(scores), symbolic_helper._get_tensor_rank(scores)
@@ -255,7 +255,7 @@ def _loss_over_targets(g, op_type, scores, target, weight, reduction_name, ignor
 
 def _ignored(g, target, ignore_index):
     """Where ``target`` is ``ignore_index``."""
-    return g.op("Equal", target, _ExportGraph(g).const(ignore_index, _numpy_dtype(target)))
+    return g.op("Equal", target, _ExportGraph(g).const(ignore_index, _dtype(target)))
 
 
 def _kept_weight(g, target, weight, ignored):
@@ -263,7 +263,7 @@ def _kept_weight(g, target, weight, ignored):
     build = _ExportGraph(g)
     kept = rewrites.where(build, ignored, 0.0, 1.0)
     if not symbolic_helper._is_none(weight):
-        kept = g.op("Mul", kept, g.op("Gather", weight, rewrites.where(build, ignored, build.const(0, _numpy_dtype(target)), target)))
+        kept = g.op("Mul", kept, g.op("Gather", weight, rewrites.where(build, ignored, build.const(0, _dtype(target)), target)))
     return symbolic_helper._reducesum_helper(g, kept, keepdims_i=0)
 
 

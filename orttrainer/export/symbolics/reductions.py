@@ -9,7 +9,7 @@ from torch.onnx import symbolic_helper
 from torch.onnx._internal.torchscript_exporter import _type_utils, symbolic_opset9
 
 from ...graph import rewrites
-from ._graph import DOMAIN, _constant, _ExportGraph, _module_scope, _numpy_dtype
+from ._graph import DOMAIN, _constant, _dtype, _ExportGraph, _module_scope
 from .elementwise import detach
 
 
@@ -62,7 +62,7 @@ def _root_with_zero_gradient_at_zero(build, total, exponent, dtype):
     """``total ** exponent`` (a square root, a p-norm's root) whose gradient is 0 where ``total`` is 0, as torch's
     std, norm and cdist backwards mask it: the root's own gradient is infinite there, and times the 0 coming from
     the sum before it, NaN (a padding row's std turned every weight into NaN). The root reads 1 in place of 0,
-    through a Where both ways, so no gradient reaches the 0. ``dtype``: ``total``'s, as numpy's."""
+    through a Where both ways, so no gradient reaches the 0. ``dtype``: ``total``'s."""
     zero = build.op("Equal", [total, build.const(0.0, dtype)])
     safe = build.op("Where", [zero, build.const(1.0, dtype), total])
     root = build.op("Sqrt", [safe]) if exponent == 0.5 else build.op("Pow", [safe, build.const(exponent, dtype)])
@@ -71,7 +71,7 @@ def _root_with_zero_gradient_at_zero(build, total, exponent, dtype):
 
 def _p_norm(build, x, order, axes, keepdim, dtype):
     """(sum over ``axes`` of |x|^order)^(1 / order), its gradient 0 at a zero norm (``_root_with_zero_gradient_at_zero``);
-    ``dtype``: x's, as numpy's."""
+    ``dtype``: x's."""
     powered = build.op("Pow", [build.op("Abs", [x]), build.const(order, dtype)])
     total = build.reduce("ReduceSum", powered, axes, int(keepdim))
     return _root_with_zero_gradient_at_zero(build, total, 1.0 / order, dtype)
@@ -83,7 +83,7 @@ def linalg_vector_norm(g, x, order, dim, keepdim, dtype):
     2 and ±inf, whose root torch's wrote without torch's zero gradient at a zero norm (``_p_norm``)."""
     if order in _REDUCED_NORMS or not symbolic_helper._is_none(dtype):
         return symbolic_helper._linalg_vector_norm_helper(g, x, order, dim, keepdim, dtype)
-    element_type = _numpy_dtype(x)
+    element_type = _dtype(x)
     if symbolic_helper._is_none(dim) or not dim:
         x, dim, keepdim = symbolic_helper._reshape_helper(g, x, [-1]), [0], False
     return _p_norm(_ExportGraph(g), x, order, dim, keepdim, element_type)
@@ -93,7 +93,7 @@ def _vector_norm(g, x, order, dim, keepdim):
     """torch.linalg.vector_norm(x, order, dim, keepdim) over one dim, as ``linalg_vector_norm`` writes it."""
     if order in _REDUCED_NORMS:
         return symbolic_helper._linalg_vector_norm_helper(g, x, order, [dim], keepdim, None)
-    return _p_norm(_ExportGraph(g), x, order, [dim], keepdim, _numpy_dtype(x))
+    return _p_norm(_ExportGraph(g), x, order, [dim], keepdim, _dtype(x))
 
 
 def _moments(g, x, args, root):
@@ -140,7 +140,7 @@ def cdist(g, x1, x2, p, compute_mode):
     mode = symbolic_helper._maybe_get_const(compute_mode, "i")
     mode = 0 if symbolic_helper._is_none(compute_mode) else mode
     rows = [symbolic_helper._get_tensor_dim_size(x, -2) for x in (x1, x2)]
-    build, dtype = _ExportGraph(g), _numpy_dtype(x1)
+    build, dtype = _ExportGraph(g), _dtype(x1)
     if p == 2 and mode == 0 and None in rows:
         raise ValueError(f"cdist in module '{_module_scope(g)}' over a number of rows that changes with the batch: torch "
                          f"computes it by a matrix product above {_CDIST_PRODUCT_ROWS} rows and by differences below, "
@@ -335,9 +335,9 @@ def histc(g, x, bins, low, high):
         raise ValueError(f"torch.histc in module '{scope}' of a {scalar_type.dtype()} "
                          "tensor: the trainer exports it for float32 and float64 only (torch bins half-precision values "
                          "in its own rounding); count in float32")  # fmt: skip
-    build, dtype = _ExportGraph(g), _numpy_dtype(x)
+    build, dtype = _ExportGraph(g), _dtype(x)
     flat = g.op("Reshape", x, build.const([-1], np.int64))
-    left, right = dtype.type(low), dtype.type(high)
+    left, right = (torch.tensor(bound, dtype=dtype) for bound in (low, high))
     inside = g.op("And", g.op("GreaterOrEqual", flat, build.const(left, dtype)),
                   g.op("LessOrEqual", flat, build.const(right, dtype)))  # fmt: skip
     within = g.op("Where", inside, flat, build.const(left, dtype))  # no infinity or NaN reaches the cast
