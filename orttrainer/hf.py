@@ -55,7 +55,7 @@ class Trainer(transformers.Trainer):
         count as an uninterrupted run would have it, so that a resumed run draws the same masks."""
         if self._graph_runner is None:
             runs_before = self.state.global_step * self.args.gradient_accumulation_steps
-            self._graph_runner = GradientSource(self.model, str(self.args.device), runs_before)
+            self._graph_runner = GradientSource(self.model, str(self.args.device), runs_before, bfloat16=self.args.bf16)
         return self._graph_runner
 
 
@@ -90,11 +90,10 @@ def _refusals(trainer: transformers.Trainer) -> list:
                        "module's forward and backward; use torchrun data parallelism (the default when launched)")
     if args.fsdp or getattr(trainer, "is_fsdp_enabled", False):
         refused.append(f"TrainingArguments.fsdp={args.fsdp!r}: FSDP shards the weights the graph reads whole")
-    for flag in ("fp16", "bf16"):
-        if getattr(args, flag):
-            refused.append(f"TrainingArguments.{flag}=True: Trainer's autocast does not reach orttrainer's float32 "
-                           "graph, so the step would compute in another precision than transformers.Trainer's; "
-                           "train in float32, or use orttrainer.ORTTrainer with mixed_precision")
+    if args.fp16:
+        refused.append("TrainingArguments.fp16=True: transformers.Trainer computes under torch.autocast with float16 "
+                       "(without a loss scale on the CPU), orttrainer's float16 converts the whole graph and scales the "
+                       "loss: another computation; use bf16=True (torch.autocast with bfloat16, which orttrainer follows)")
     if args.torch_compile:
         refused.append("TrainingArguments.torch_compile=True: the forward runs in ONNX Runtime, not torch.compile")
     if str(args.optim).lower().split(".")[-1] in _REFUSED_OPTIMIZERS:

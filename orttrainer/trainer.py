@@ -471,10 +471,14 @@ class GradientSource:
     (``orttrainer.hf.Trainer``): each run's outputs and the gradients of the trained weights, the mean over the
     ranks as DistributedDataParallel's, in buffers the next run overwrites."""
 
-    def __init__(self, model, device_id: str, runs_before: int = 0):
+    def __init__(self, model, device_id: str, runs_before: int = 0, bfloat16: bool = False):
         """``runs_before``: the runs an uninterrupted job would have taken before this one's first (a resumed
-        job's), which seed dropout as they would have."""
-        self._trainer = ORTTrainer(model, None, SGDConfig(lr=0.0), options=ORTTrainerOptions({"device": {"id": device_id}}))
+        job's), which seed dropout as they would have. ``bfloat16``: computing as under torch.autocast with bfloat16
+        (options mixed_precision.dtype torch.bfloat16)."""
+        options = {"device": {"id": device_id}}
+        if bfloat16:
+            options["mixed_precision"] = {"enabled": True, "dtype": torch.bfloat16}
+        self._trainer = ORTTrainer(model, None, SGDConfig(lr=0.0), options=ORTTrainerOptions(options))
         self._trainer._train_step_info.step = runs_before
 
     @property

@@ -186,6 +186,9 @@ def _traced_export(model, wrapper, inputs, desc_inputs, desc_outputs, opset, dev
         state = {WRAPPED + name: tensor for name, tensor in model.state_dict().items()}
         # autograd on whatever the caller's mode (an eval_step under torch.no_grad() builds a graph that trains)
         traced.size_guards = values.size_guards
+        # torch.autocast's bfloat16 copies of weights made before the trace (a forward under an autocast nested in
+        # another, as accelerate's around a Trainer's model): the trace would read them as constants
+        torch.clear_autocast_cache()
         with torch.random.fork_rng(devices=devices), symbolics.exporting(), torch.enable_grad(), \
                 keeping_no_activations(), ExporterWarnings(values, inputs_by_name, state, traced.written) as heard, traced.spy, \
                 functions_as_their_forward(), traced.writes, _NoGradResultsDetached(), values, printed:
