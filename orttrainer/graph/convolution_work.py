@@ -5,7 +5,7 @@ import numpy as np
 import onnx
 
 from . import rewrites
-from .tensor_facts import TensorFacts, infer_tensor_facts, shapes_at
+from .tensor_facts import shapes_at
 
 
 # Below this many multiply-accumulates per image, a convolution is cheaper on one CPU thread
@@ -34,28 +34,30 @@ def _macs_per_sample(node: onnx.NodeProto, shapes: dict):
     return None if None in dims else int(np.prod(dims))
 
 
-def _work_per_sample(model: onnx.ModelProto, facts: TensorFacts = None) -> list:
-    """(node, multiply-accumulates per sample) of each Conv, Gemm and MatMul of known shapes; [] for a
-    graph without convolutions (the questions asked of it are about convolutions).
+def _work_per_sample(model: onnx.ModelProto, sample_shapes: dict) -> list:
+    """(node, multiply-accumulates per sample) of each Conv, Gemm and MatMul of known shapes on a batch of
+    ``sample_shapes`` ({graph input: shape}; an input not given keeps its declared shape); [] for a graph without
+    convolutions (the questions asked of it are about convolutions).
 
     The forward graph answers for the training and eval graphs built from it: they hold the
     same Conv, Gemm and MatMul nodes on tensors of the same shapes.
     """
     if not any(node.op_type == "Conv" for node in model.graph.node):
         return []
-    shapes = (facts or infer_tensor_facts(model)).shapes
+    shapes = shapes_at(model, sample_shapes)
     work = [(node, _macs_per_sample(node, shapes)) for node in model.graph.node]
     return [(node, macs) for node, macs in work if macs is not None]
 
 
-def small_convolutions_dominate(model: onnx.ModelProto, facts: TensorFacts = None) -> bool:
-    """True when convolutions below ``SMALL_CONVOLUTION_MACS`` per image do most of the work.
+def small_convolutions_dominate(model: onnx.ModelProto, sample_shapes: dict) -> bool:
+    """True when convolutions below ``SMALL_CONVOLUTION_MACS`` per image do most of the work on a batch of
+    ``sample_shapes`` (the first batch's: a graph generic in the image size serves the others as it chose).
 
     Such graphs (LeNet-sized CNNs) train faster with one intra-op thread: ONNX Runtime's
     CPU Conv and ConvGrad open a thread-pool section per image, and with spinning off
     each costs a wake-up of the second thread worth more than its share of the work.
     """
-    work = _work_per_sample(model, facts)
+    work = _work_per_sample(model, sample_shapes)
     small = sum(macs for node, macs in work if node.op_type == "Conv" and macs < SMALL_CONVOLUTION_MACS)
     return small > sum(macs for _, macs in work) / 2
 

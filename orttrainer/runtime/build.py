@@ -516,7 +516,7 @@ def _build(onnx_model, model_desc, weights, trainable, options, device, provider
     the graph is built at, when there is one."""
     frozen = [name for name in weights if name not in trainable]
     mixed_precision = amp.scales_loss(options.mixed_precision)  # float16; a bfloat16 graph computes in float32 (bfloat16.py)
-    one_thread = device.type == "cpu" and convolution_work.small_convolutions_dominate(onnx_model, facts)
+    one_thread = device.type == "cpu" and convolution_work.small_convolutions_dominate(onnx_model, sample_shapes or {})
     convolutions = _convolutions_on_torch(options, device, onnx_model, sample_shapes or {})
     nodes = onnx_model.graph.node
     keep_for_torch = torch_convolutions.op_types_for_torch(nodes) if convolutions and torch_convolutions.runs_convolutions(
