@@ -372,7 +372,11 @@ class TorchBoundSession:
         self._raw_binding.bind_input(name, self._device, _NUMPY_DTYPES[tensor.dtype], list(tensor.shape), tensor.data_ptr())
 
     def bind_output(self, name: str, tensor: torch.Tensor) -> None:
-        """Have the session write output ``name`` straight into ``tensor``."""
+        """Have the session write output ``name`` straight into ``tensor``. An empty tensor (the gradient of an empty
+        parameter) has no memory to bind, and no value to write: the session allocates that output itself."""
+        if tensor.numel() == 0:
+            self._bind_output(name)
+            return
         self._bind_output(name, _NUMPY_DTYPES[tensor.dtype], list(tensor.shape), tensor.data_ptr())
 
     def allocate_outputs(self, names) -> None:

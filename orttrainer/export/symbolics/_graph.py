@@ -12,7 +12,6 @@ from torch.onnx._internal.torchscript_exporter import _type_utils
 from ...graph import rewrites
 
 
-_REDUCTIONS = {0: None, 1: "ReduceMean", 2: "ReduceSum"}
 DOMAIN = "orttrainer"  # custom-domain marker nodes, which exported_graph.resolve_markers resolves right after export
 
 
@@ -20,10 +19,26 @@ def _constant(g, value):
     return g.op("Constant", value_t=torch.tensor(value, dtype=torch.float32))
 
 
+def _whole_sum(g, x):
+    """The sum of every element of ``x``, 0-d, as torch's ``sum``, also of an empty tensor (0.0). torch's exporter
+    keeps the dimensions (shape [1, 1, 1] for a [3, 2, 0] input) when the traced input has a size-0 dimension."""
+    return g.op("ReduceSum", x, keepdims_i=0)
+
+
+def _whole_mean(g, x):
+    """The mean of every element of ``x``, 0-d, as torch's ``mean``: the sum over the element count, NaN (0 / 0) for an
+    empty tensor, where ONNX Runtime's ReduceMean gives 0."""
+    count = g.op("Cast", g.op("Size", x), to_i=_type_utils.JitScalarType.from_value(x).onnx_type())
+    return g.op("Div", _whole_sum(g, x), count)
+
+
+_REDUCTIONS = {0: None, 1: _whole_mean, 2: _whole_sum}
+
+
 def _reduce(g, loss, reduction):
     """torch's reduction enum: 0 none, 1 mean, 2 sum (over every element)."""
-    op = _REDUCTIONS[reduction]
-    return loss if op is None else g.op(op, loss, keepdims_i=0)
+    whole = _REDUCTIONS[reduction]
+    return loss if whole is None else whole(g, loss)
 
 
 def _attribute_suffix(value) -> str:

@@ -48,6 +48,14 @@ def _l1_distance(build, x, target):
 
 
 @symbolic_helper.parse_args("v", "v", "i")
+def mse_loss(g, x, target, reduction):
+    """(x - target)^2 as torch's exporter writes it, reduced as torch reduces it (_reduce): torch's symbolic takes
+    the mean with ReduceMean, whose gradient ONNX Runtime refuses for no elements (a scale of 1 / 0)."""
+    difference = g.op("Sub", x, target)
+    return _reduce(g, g.op("Mul", difference, difference), reduction)
+
+
+@symbolic_helper.parse_args("v", "v", "i")
 def l1_loss(g, x, target, reduction):
     return _reduce(g, _l1_distance(_ExportGraph(g), x, target), reduction)
 
@@ -388,6 +396,7 @@ def ctc_loss(g, log_probs, targets, input_lengths, target_lengths, blank, reduct
 
 
 SYMBOLICS = {
+    "mse_loss": mse_loss,
     "l1_loss": l1_loss,
     "smooth_l1_loss": smooth_l1_loss,
     "huber_loss": huber_loss,

@@ -6,10 +6,10 @@ import numpy as np
 import onnx
 import torch
 from torch.onnx import symbolic_helper
-from torch.onnx._internal.torchscript_exporter import _type_utils, symbolic_opset9
+from torch.onnx._internal.torchscript_exporter import _type_utils, registration, symbolic_opset9
 
 from ...graph import rewrites
-from ._graph import DOMAIN, _constant, _dtype, _ExportGraph, _module_scope
+from ._graph import DOMAIN, _constant, _dtype, _ExportGraph, _module_scope, _whole_mean, _whole_sum
 from .elementwise import detach
 
 
@@ -28,6 +28,28 @@ def _extreme(onnx_op, torch_symbolic):
         dim = symbolic_helper._get_const(dim_or_y, "i", "dim")
         return rewrites.first_extreme(_ExportGraph(g), x, dim, symbolic_helper._get_const(keepdim, "i", "keepdim"), onnx_op,
                                       floating=symbolic_helper._is_fp(x))  # fmt: skip
+
+    return symbolic
+
+
+def _torch_symbolic(name, opset):
+    """torch's own symbolic for ``aten::<name>`` at ``opset`` (read from the registry's base functions: orttrainer's
+    are registered over them during the export)."""
+    functions = registration.registry.get_function_group(f"aten::{name}")._functions._base
+    return functions[registration._dispatch_opset_version(opset, functions)]
+
+
+def _whole_tensor(name, whole):
+    """aten::sum / aten::mean: without a dim (``x.sum()``, ``x.mean()``) ``whole`` of x, 0-d as torch's also for an
+    empty x, in the ``dtype`` asked for; with one, torch's own symbolic."""
+
+    def symbolic(g, x, *args):
+        if len(args) != 1:
+            return _torch_symbolic(name, g.opset)(g, x, *args)
+        dtype = args[0]
+        if not symbolic_helper._is_none(dtype):
+            x = g.op("Cast", x, to_i=_type_utils.JitScalarType(symbolic_helper._get_const(dtype, "i", "dtype")).onnx_type())
+        return whole(g, symbolic_helper._maybe_cast_reduce_op_input(g, x))
 
     return symbolic
 
@@ -373,4 +395,6 @@ SYMBOLICS = {
     "min": _extreme("ReduceMin", symbolic_helper._min_helper),
     "argmax": _arg_extreme("ReduceMax"),
     "argmin": _arg_extreme("ReduceMin"),
+    "sum": _whole_tensor("sum", _whole_sum),
+    "mean": _whole_tensor("mean", _whole_mean),
 }
