@@ -50,6 +50,40 @@ def test_save_as_onnx_runs_in_plain_inference_session_like_torch_eval(tmp_path, 
     assert onnx.load(str(path)).ir_version <= 10
 
 
+def _broadcast_loss(output, target):
+    """A user's loss broadcasting the output against a target of another shape (its row means), as mse_loss does."""
+    output, target = torch.broadcast_tensors(output, target.mean(1, keepdim=True))
+    return ((output - target) ** 2).sum()
+
+
+LOSSES = {"mse_loss": (F.mse_loss, lambda: torch.randn(8, 10)), "l1_loss": (F.l1_loss, lambda: torch.randn(8, 10)),
+          "smooth_l1_loss": (F.smooth_l1_loss, lambda: torch.randn(8, 10)),
+          "cross_entropy": (F.cross_entropy, lambda: torch.randint(0, 10, (8,))),
+          "custom broadcasting": (_broadcast_loss, lambda: torch.randn(8, 10))}  # fmt: skip
+
+
+@pytest.mark.parametrize("loss_name", list(LOSSES))
+def test_save_as_onnx_without_the_loss_has_only_the_models_inputs_and_outputs_for_any_loss(tmp_path, loss_name):
+    """mse_loss and l1_loss broadcast the output against the target (torch.broadcast_tensors), whose trace made the
+    model's output an Expand to the label's shape: the saved graph asked for the label."""
+    torch.manual_seed(0)
+    loss_fn, make_target = LOSSES[loss_name]
+    model, x = MLP(), mlp_batch()[0]
+    trainer = trained(model, loss_fn, (x, make_target()))
+    path = tmp_path / "model.onnx"
+    trainer.save_as_onnx(str(path), with_loss=False)
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert [(i.name, i.shape) for i in session.get_inputs()] == [("x", ["batch", 32])]
+    assert [o.name for o in session.get_outputs()] == ["output"]
+    reference = copy.deepcopy(model).eval()
+    reference.load_state_dict(trainer.state_dict(pytorch_format=True))
+    for rows in (8, 3):  # another batch size than the trained one
+        with torch.no_grad():
+            expected = reference(x[:rows])
+        (output,) = session.run(None, {"x": x[:rows].numpy()})
+        np.testing.assert_allclose(output, expected.numpy(), atol=1e-5, rtol=1e-4)
+
+
 def test_save_as_onnx_before_initialization_says_what_to_do_and_writes_nothing(tmp_path):
     trainer = ORTTrainer(MLP(), None, optim.SGDConfig(), loss_fn=F.cross_entropy, options=cpu_options())
     with pytest.raises(RuntimeError, match=r"run one \(e.g. trainer.eval_step\(\*batch\) right after load_checkpoint\)"):

@@ -10,6 +10,7 @@ Submodules keep the train/eval mode the user gave them (a frozen BatchNorm stays
 import contextlib
 
 import torch
+from torch.utils import _pytree as pytree
 
 from . import forward_effects
 from .refusals import DifferentiationRefused, refuse_state_changes, refuse_writes_in_eval_mode
@@ -39,9 +40,17 @@ class _ModelWithLoss(torch.nn.Module):
             given = outputs
             if isinstance(outputs, (tuple, list)):  # a 1-tuple is passed as its tensor, a namedtuple as itself
                 given = outputs[0] if len(outputs) == 1 else outputs if isinstance(outputs, tuple) else tuple(outputs)
-            loss = self.loss_fn(given, inputs[-1])
+            loss = self.loss_fn(_aliases(given), inputs[-1])
         tensors, self.form = model_outputs.flatten(outputs, type(self.model).__name__, loss)
         return tuple(tensors)
+
+
+def _aliases(outputs):
+    """``outputs`` with each tensor an alias of it, for the loss_fn: the tracer gives a tensor the graph value of the
+    last op that returned it, and an op may return its input itself (torch.broadcast_tensors of tensors of one shape,
+    in F.mse_loss and F.l1_loss), which made the model's output the loss's Expand, reading the label. An alias
+    exports as nothing (aten::alias is its input)."""
+    return pytree.tree_map_only(torch.Tensor, torch.ops.aten.alias, outputs)
 
 
 def with_loss(model, loss_fn, forward_names, constants=None) -> torch.nn.Module:
