@@ -1,6 +1,7 @@
 """A transformers.Trainer or orttrainer.hf.Trainer run of tiny GPT-2 (test_hf_trainer.py), as torchrun launches it:
 ``hf_trainer_job.py {torch|float64|orttrainer} OUT.npz``. Writes the final weights and the logged losses."""
 
+import os
 import sys
 
 import numpy as np
@@ -23,8 +24,15 @@ def main(contender, out):
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         weights = {key: value.numpy() for key, value in model.state_dict().items()}
         np.savez(out, losses=np.array(losses), world=trainer.args.world_size, **weights)
-    if torch.distributed.is_initialized():  # gloo's threads left to the interpreter's exit abort it now and then
-        torch.distributed.destroy_process_group()  # ("terminate called without an active exception", exit -6)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # every rank is done with the process group
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Not through the destructors: freeing DistributedDataParallel's Reducer joins gloo's run-loop thread while holding
+    # the GIL, which that thread needs to free a finished all-gather's tensors (a deadlock, seen 2 of 3 runs on a
+    # loaded host); gloo's threads left to the interpreter's exit abort it now and then ("terminate called without an
+    # active exception", exit -6).
+    os._exit(0)
 
 
 if __name__ == "__main__":
