@@ -149,8 +149,6 @@ class ORTTrainer:
         self.model_desc = runtime.model_desc if self._graphs is None else self._graphs.model_desc
         if self._load_state_dict is not None:
             self._load_state_dict()
-            if runtime.reference is not None:  # torch's step at the build ran on the weights before the load
-                runtime.reference.weights_written = True
 
     # ------------------------------------------------------------------ steps
     def train_step(self, *args, **kwargs):
@@ -242,8 +240,8 @@ class ORTTrainer:
         ``gradient_buffers``, which the step's own run writes next (no second set of gradients).
         A graph without dropout draws nothing, so its checked run is the step's own: its outputs are
         returned and, once the check passed, its BatchNorm statistics written (None: the step runs the graph again).
-        They are put back while the check compares: torch's step taken again on ``runtime.weights`` (written since the
-        build: a checkpoint loaded; and the rounding excuse's) must start from the statistics the step started from."""
+        They are put back while the check compares: torch's step, taken after the run on ``runtime.weights`` (and the
+        rounding excuse's), must start from the statistics the step started from."""
         runtime = self._runtime
         reference = runtime.reference
         runtime.reference = None
@@ -255,7 +253,6 @@ class ORTTrainer:
             verify.torch_step, reference.module, self.loss_fn, reference.forward_names, inputs, output_names=output_names,
             loss_name=self.model_desc.loss_output.name, trained=list(self._gradients.sums), constants=reference.constants,
             projected=reference.projected))  # fmt: skip
-        torch_result = reference.step_on(runtime.weights, inputs, run_torch)
         bound_before, gradients = self._gradients.bound, gradient_buffers
         is_the_step = dropout.DROPOUT_SCALE_INPUT not in runtime.train_session.input_names
         runtime.dropout_scale.fill_(0.0)
@@ -274,8 +271,7 @@ class ORTTrainer:
         where = graph_errors.where_in_graph(runtime.onnx_model, list(gradients) + output_names + list(buffers))
         mode = self.options.debug.check_against_torch
         try:
-            verify.check(ort, run_torch, runtime.weights, self._checked_dtype(), where, mode, torch_result,
-                         weights_written=torch_result is reference.step and reference.weights_written)  # fmt: skip
+            verify.check(ort, run_torch, runtime.weights, self._checked_dtype(), where, mode)
         except verify.TorchMismatchError as error:
             if self._data_parallel is None:
                 raise
@@ -338,8 +334,6 @@ class ORTTrainer:
         self._refuse_setting_edits()
         amp.refuse_other_autocast(self.options.mixed_precision, self._device, "eval_step")
         inputs = self._ensure_initialized(args, kwargs)
-        if self._runtime.reference is not None:  # built by an eval_step: the weights may be written before a train_step
-            self._runtime.reference.weights_written = True
         self._refuse_module_edits(training=False)
         requested = requested_outputs(self.model_desc, self._train_step_info.fetches)
         if self._runtime.eval_reference is None:

@@ -1,10 +1,12 @@
 """The built-in check: the first step of every training graph, redone in torch autograd.
 
-At the first ``train_step`` after a graph is built, the trainer runs that graph once
-more with dropout off, and this module runs the user's module and loss in torch autograd
-on the same batch and weights, in the same train/eval modes, also with dropout off. Loss,
-outputs, the gradient of every trained weight and the buffers forward updates
-(BatchNorm statistics) must agree within a tolerance scaled by dtype and magnitude.
+At the first ``train_step`` after a graph is built, the trainer runs that graph with dropout
+off, and this module then runs the user's module and loss in torch autograd on the same batch
+and weights, in the same train/eval modes, also with dropout off. Loss, outputs, the gradient of
+every trained weight and the buffers forward updates (BatchNorm statistics) must agree within a
+tolerance scaled by dtype and magnitude. Torch's tensors are compared as torch computes them
+(``Comparison``) and only those that differ are kept: torch's step, taken while ONNX Runtime's
+outputs are held, needs no more memory than a plain torch loop's step.
 
 Why dropout off, on both sides: the two sides cannot draw the same masks, and with
 dropout off everything but the dropout itself is compared; dropout's own gradient is
@@ -21,7 +23,6 @@ it belongs to (``debug.check_against_torch``: "error", "warn" or "off").
 
 import contextlib
 import functools
-import hashlib
 import inspect
 import math
 import warnings
@@ -156,32 +157,35 @@ class StepResult:
 
 
 class _ForwardAndGradients(torch.nn.Module):
-    """module + loss on a batch, the buffers after forward, and the gradients of the loss (output ``loss_index``, if
-    not None) for the ``leaves`` that require grad, each passed to ``keep(name, gradient)`` as soon as backward has
-    it and dropped then (``register_post_accumulate_grad_hook``), so that no full set of gradients need exist. One
-    call, so that under ``functional_call`` a forward run again inside backward (``torch.utils.checkpoint``) reads
-    the same weights as the first."""
+    """module + loss on a batch: its outputs and the buffers after forward handed to ``forward_done(outputs,
+    buffers)``, then with ``loss_index`` (if not None) the gradients of that output for the ``leaves`` that require
+    grad, each passed to ``gradient_done(name, gradient)`` as soon as backward has it and dropped then
+    (``register_post_accumulate_grad_hook``): backward runs without the outputs (logits) and no full set of gradients
+    need exist. One call, so that under ``functional_call`` a forward run again inside backward
+    (``torch.utils.checkpoint``) reads the same weights as the first."""
 
-    def __init__(self, wrapper, leaves: dict, buffer_names, loss_index, keep):
+    def __init__(self, wrapper, leaves: dict, buffer_names, loss_index, forward_done, gradient_done):
         super().__init__()
-        self.wrapper, self.leaves, self.buffer_names, self.loss_index, self.keep = wrapper, leaves, buffer_names, loss_index, keep
+        self.wrapper, self.leaves, self.buffer_names, self.loss_index = wrapper, leaves, buffer_names, loss_index
+        self.forward_done, self.gradient_done = forward_done, gradient_done
 
     def forward(self, *inputs):
         outputs = self.wrapper(*inputs)
         outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
-        buffers = {name: self.leaves[name].detach().cpu().clone() for name in self.buffer_names}
+        loss = None if self.loss_index is None else outputs[self.loss_index]
+        self.forward_done(outputs, {name: self.leaves[name].detach().cpu().clone() for name in self.buffer_names})
+        del outputs
         wanted = {name: leaf for name, leaf in self.leaves.items() if leaf.requires_grad}
-        if self.loss_index is None or not wanted:
-            return outputs, buffers, {}
-        kept = {}
+        if loss is None or not wanted:
+            return
 
         def keep(name, leaf):
-            kept[name] = self.keep(name, leaf.grad)
+            self.gradient_done(name, leaf.grad)
             leaf.grad = None
 
         hooks = [leaf.register_post_accumulate_grad_hook(functools.partial(keep, name)) for name, leaf in wanted.items()]
         try:
-            outputs[self.loss_index].backward(inputs=list(wanted.values()))
+            loss.backward(inputs=list(wanted.values()))
         except torch.utils.checkpoint.CheckpointError as error:
             raise RuntimeError(
                 "debug.check_against_torch could not run the module's backward: torch.utils.checkpoint runs forward "
@@ -192,16 +196,15 @@ class _ForwardAndGradients(torch.nn.Module):
         finally:
             for hook in hooks:
                 hook.remove()
-        return outputs, buffers, kept
 
 
-def _run_holding(module, loss_fn, forward_names, constants, inputs, weights: dict, trained=(), loss_index=None,
-                 keep=None):  # fmt: skip
+def _run_holding(module, loss_fn, forward_names, constants, inputs, weights: dict, forward_done, trained=(),
+                 loss_index=None, gradient_done=None) -> None:  # fmt: skip
     """module + loss run on ``inputs`` with ``weights`` ({state_dict name: tensor}) in place of the module's own
-    (``torch.func.functional_call``: nothing is copied, and the module keeps its own tensors), and with
-    ``loss_index`` the gradients of that output for the weights named in ``trained`` (backward into leaves of their
-    own: no parameter's ``.grad`` is touched), each as ``keep(name, gradient)`` returns it: (outputs, {buffer name:
-    value after forward}, {weight name: what keep returned, for those that got a gradient})."""
+    (``torch.func.functional_call``: nothing is copied, and the module keeps its own tensors): ``forward_done(outputs,
+    {buffer name: value after forward})``, then with ``loss_index`` the gradients of that output for the weights
+    named in ``trained`` (backward into leaves of their own: no parameter's ``.grad`` is touched), each to
+    ``gradient_done(name, gradient)`` (``_ForwardAndGradients``)."""
     leaves, given, seen = {}, {}, set()
     for name, tensor in weights.items():
         memory = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype)
@@ -212,12 +215,12 @@ def _run_holding(module, loss_fn, forward_names, constants, inputs, weights: dic
         given[f"wrapper.{as_trained.WRAPPED}{name}"] = leaves[name]
     buffer_names = [name for name in leaves if name not in dict(module.named_parameters())]
     wrapper = as_trained.with_loss(module, loss_fn, forward_names, constants)
-    step = _ForwardAndGradients(wrapper, leaves, buffer_names, loss_index, keep)
-    return torch.func.functional_call(step, given, tuple(inputs), strict=False)
+    step = _ForwardAndGradients(wrapper, leaves, buffer_names, loss_index, forward_done, gradient_done)
+    torch.func.functional_call(step, given, tuple(inputs), strict=False)
 
 
 def torch_step(module, loss_fn, forward_names, inputs, weights: dict, output_names, loss_name, trained,
-               constants=None, projected=False) -> StepResult:  # fmt: skip
+               constants=None, projected=False, sink=None) -> StepResult:  # fmt: skip
     """Forward + loss + backward of ``module`` on ``weights``, dropout off; the module is left as it was (its
     buffers put back, its parameters' ``.grad`` untouched).
 
@@ -225,29 +228,46 @@ def torch_step(module, loss_fn, forward_names, inputs, weights: dict, output_nam
     whose gradients are compared (a weight torch leaves without gradient counts as zero);
     ``constants`` are the step's keywords that forward gets as they are (``return_loss=True``).
     ``projected``: each gradient is kept as its ``Projected`` form, never the whole set (``FULL_CHECK_BYTES``).
+    ``sink`` (``Kept`` by default: everything) is handed the outputs and buffers after forward and each gradient as
+    backward finishes it; returns the tensors it kept (``sink.kept``).
     """
+    sink = sink if sink is not None else Kept()
     parameters = dict(module.named_parameters())
     weights = {**{name: parameters[name] for name in trained if name not in weights}, **weights}
+    given = set()
 
-    def keep(name, gradient):
+    def gradient_done(name, gradient):
+        given.add(name)
         dense = _dense(gradient, weights[name])
-        return Projected.of(dense) if projected else dense
+        sink.gradient(name, Projected.of(dense) if projected else dense)
+
+    def forward_done(outputs, buffers):
+        sink.forward_done(dict(zip(output_names, (out.detach().cpu() for out in outputs))), buffers)
 
     with as_trained.as_trained(module), _without_activation_checkpointing(module), torch.enable_grad(), _NoDropout():
-        outputs, buffers, gradients = _run_holding(module, loss_fn, forward_names, constants, inputs, weights, trained,
-                                                   output_names.index(loss_name), keep)  # fmt: skip
-    gradients = {name: gradients[name] if name in gradients else keep(name, None) for name in trained}
-    return StepResult(dict(zip(output_names, (out.detach().cpu() for out in outputs))), gradients, buffers)
+        _run_holding(module, loss_fn, forward_names, constants, inputs, weights, forward_done, trained,
+                     output_names.index(loss_name), gradient_done)  # fmt: skip
+    for name in trained:
+        if name not in given:
+            gradient_done(name, None)
+    return sink.kept
 
 
-def torch_eval(module, loss_fn, forward_names, inputs, weights: dict, output_names, constants=None) -> StepResult:
+def torch_eval(module, loss_fn, forward_names, inputs, weights: dict, output_names, constants=None,
+               sink=None) -> StepResult:  # fmt: skip
     """Forward + loss of ``module`` on ``weights``, in eval mode: what eval_step must give; the module is left as it was.
+    ``sink`` as in ``torch_step``.
 
     Grad mode stays on, as in the trace: without it ``nn.MultiheadAttention`` and the transformer layers take a
     fast path in eval mode, which gives the padded positions other values. Autograd keeps no activations."""
+    sink = sink if sink is not None else Kept()
+
+    def forward_done(outputs, buffers):
+        sink.forward_done(dict(zip(output_names, (out.detach().cpu() for out in outputs))), {})
+
     with as_trained.as_trained(module, eval_mode=True), torch.enable_grad(), as_trained.keeping_no_activations():
-        outputs, _, _ = _run_holding(module, loss_fn, forward_names, constants, inputs, weights)
-    return StepResult(dict(zip(output_names, (out.detach().cpu() for out in outputs))), {})
+        _run_holding(module, loss_fn, forward_names, constants, inputs, weights, forward_done)
+    return sink.kept
 
 
 @contextlib.contextmanager
@@ -285,32 +305,11 @@ class ModuleCall:
 
 @dataclass
 class Reference(ModuleCall):
-    """The torch side of a graph's first-step check: the module, and torch's step taken when the graph
-    was built (before ONNX Runtime held any memory: the two would otherwise add up) on the batch whose
-    tensors had the ``batch_digests``, and on the trainer's weights as they were then. The weights may be written
-    before the first step (a state_dict loaded, rank 0's weights on the other ranks, the user's writes after a graph
-    built by an eval_step): the trainer then sets ``weights_written``, and ``check`` takes torch's step again on them
-    when the comparison with this one fails, instead of hashing every weight at the build and again at the check
-    (1.3 s on GPT-2 small). A graph built and checked in one train_step has its weights as they were."""
+    """The torch side of a graph's first-step check: the module, how forward is called, and whether torch's
+    gradients are kept as ``Projected`` (``torch_step``). Torch's step is taken at the check, after ONNX Runtime's run
+    (whose first run gives its arena's memory back), on the weights as they are then."""
 
-    step: StepResult
-    batch_digests: list  # tensor_digest of each input of the batch the step ran on
-    projected: bool  # gradients kept as Projected (torch_step)
-    weights_written: bool = False  # the weights may have been written since ``step`` was taken
-
-    def step_on(self, weights: dict, inputs, run_torch) -> StepResult:
-        """torch's step on the batch ``inputs``: the one taken at the build if it is the same batch, else
-        ``run_torch(weights)`` (a graph built by an eval_step on another batch)."""
-        same_batch = [tensor_digest(tensor) for tensor in inputs] == self.batch_digests
-        return self.step if same_batch else run_torch(weights)
-
-
-def tensor_digest(tensor: torch.Tensor) -> bytes:
-    """A hash of ``tensor``'s dtype, shape and bytes."""
-    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-    digest = hashlib.blake2b(f"{tensor.dtype}{list(tensor.shape)}".encode(), digest_size=32)
-    digest.update(memoryview(data))
-    return digest.digest()
+    projected: bool
 
 
 @dataclass
@@ -376,34 +375,95 @@ def _finite_and_within(mine, theirs, relative_tolerance: float, floor: float, la
     return bool(((mine - theirs).abs() < _allowed(theirs.abs(), relative_tolerance, floor, largest_expected)).all())
 
 
-def compare(ort: StepResult, reference: StepResult, dtype: torch.dtype, where: dict, spread=None) -> list:
-    """Every tensor of ``ort`` that differs from ``reference``; ``where`` names a tensor's node and module.
-
-    ``spread`` ({name: norm}, see ``rounding_spread``) excuses a difference no larger than what
-    rounding alone moves torch's own result by.
-    """
-    tolerance = _TOLERANCE.get(dtype, 1e-3)
-    spread = spread or {}
-    found = []
-    gradients = _projected_like(ort.gradients, reference.gradients)
-    for kind, mine, theirs in (("output", ort.outputs, reference.outputs), ("gradient of", gradients, reference.gradients),
-                               ("buffer", ort.buffers, reference.buffers)):  # fmt: skip
-        compared = [name for name, value in mine.items() if name in theirs and _is_floating(value) and _is_floating(theirs[name])]
-        largest = {name: _largest_finite(theirs[name]) for name in compared}  # one pass over each (logits: 25M values)
-        floor = tolerance * 1e-2 * max(largest.values(), default=0.0) + 1e-12
-        for name in compared:
-            difference = _difference(mine[name], theirs[name], tolerance, floor, largest[name])
-            if difference is not None and name in spread and _norm_of_difference(mine[name], theirs[name]) <= spread[name]:
-                difference = None
-            if difference is not None:
-                found.append(Difference(kind, name, *difference, where.get(name, ""), isinstance(theirs[name], Projected)))
-    return found
+def compare(ort: StepResult, reference: StepResult, dtype: torch.dtype, where: dict) -> list:
+    """Every tensor of ``ort`` that differs from ``reference``; ``where`` names a tensor's node and module."""
+    comparison = Comparison(ort, dtype, where)
+    comparison.forward_done(reference.outputs, reference.buffers)
+    for name, gradient in reference.gradients.items():
+        comparison.gradient(name, gradient)
+    return comparison.differences()
 
 
-def _projected_like(tensors: dict, reference: dict) -> dict:
-    """``tensors``, each in the ``Projected`` form where ``reference`` holds that form (the reduced check)."""
-    return {name: Projected.of(tensor) if isinstance(reference.get(name), Projected) else tensor
-            for name, tensor in tensors.items()}  # fmt: skip
+class Kept:
+    """``torch_step``'s sink that keeps what torch computed (``kept``): every tensor, or with ``like`` only those
+    ``like`` (a StepResult) holds."""
+
+    def __init__(self, like: StepResult | None = None):
+        self.kept, self._like = StepResult({}, {}, {}), like
+
+    def forward_done(self, outputs: dict, buffers: dict) -> None:
+        self.kept.outputs = self._wanted(outputs, "outputs")
+        self.kept.buffers = self._wanted(buffers, "buffers")
+
+    def gradient(self, name: str, gradient) -> None:
+        if self._like is None or name in self._like.gradients:
+            self.kept.gradients[name] = gradient
+
+    def _wanted(self, tensors: dict, kind: str) -> dict:
+        return tensors if self._like is None else {name: tensors[name] for name in getattr(self._like, kind) if name in tensors}
+
+
+class Comparison:
+    """ONNX Runtime's step ``ort`` compared with torch's as torch computes it (``torch_step``'s sink): each of torch's
+    tensors when it exists, kept (``kept``) only where it differs, for the rounding excuse. A step's outputs can be as
+    large as its logits: compared after forward, they are not held through torch's backward, and no second full set
+    of gradients exists. The floor of a kind's tolerance follows its largest tensor, which for gradients is known
+    only at the end: a gradient within the tolerance at the floor of those seen so far is within it at the final,
+    larger floor; the others are kept and decided at the end (``differences``)."""
+
+    def __init__(self, ort: StepResult, dtype: torch.dtype, where: dict):
+        self.ort, self.where, self.tolerance = ort, where, _TOLERANCE.get(dtype, 1e-3)
+        self.kept = StepResult({}, {}, {})
+        self._found = {"output": [], "buffer": []}  # differences found after forward
+        self._largest = {}  # kept gradient -> its largest finite magnitude
+        self._largest_gradient = 0.0  # of every gradient compared so far
+
+    def forward_done(self, outputs: dict, buffers: dict) -> None:
+        for kind, theirs, mine, kept in (("output", outputs, self.ort.outputs, self.kept.outputs),
+                                         ("buffer", buffers, self.ort.buffers, self.kept.buffers)):  # fmt: skip
+            compared = [name for name in mine if name in theirs and _is_floating(mine[name]) and _is_floating(theirs[name])]
+            largest = {name: _largest_finite(theirs[name]) for name in compared}  # one pass over each (logits: 25M values)
+            floor = self._floor(max(largest.values(), default=0.0))
+            for name in compared:
+                difference = _difference(mine[name], theirs[name], self.tolerance, floor, largest[name])
+                if difference is not None:
+                    self._found[kind].append(self._difference(kind, name, difference, theirs[name]))
+                    kept[name] = theirs[name]
+
+    def gradient(self, name: str, gradient) -> None:
+        mine = self.ort.gradients.get(name)
+        if mine is None or not (_is_floating(mine) and _is_floating(gradient)):
+            return
+        largest = _largest_finite(gradient)
+        self._largest_gradient = max(self._largest_gradient, largest)
+        if self._gradient_difference(name, gradient, largest) is not None:
+            self.kept.gradients[name], self._largest[name] = gradient, largest
+
+    def differences(self) -> list:
+        """The differences found, outputs first; kept gradients within the tolerance at the final floor are dropped."""
+        gradients = []
+        for name in [name for name in self.ort.gradients if name in self.kept.gradients]:
+            difference = self._gradient_difference(name, self.kept.gradients[name], self._largest[name])
+            if difference is None:
+                del self.kept.gradients[name]
+            else:
+                gradients.append(self._difference("gradient of", name, difference, self.kept.gradients[name]))
+        return self._found["output"] + gradients + self._found["buffer"]
+
+    def _gradient_difference(self, name: str, gradient, largest: float):
+        mine = _projected_like(self.ort.gradients[name], gradient)
+        return _difference(mine, gradient, self.tolerance, self._floor(self._largest_gradient), largest)
+
+    def _floor(self, largest_of_kind: float) -> float:
+        return self.tolerance * 1e-2 * largest_of_kind + 1e-12
+
+    def _difference(self, kind: str, name: str, difference: tuple, theirs) -> Difference:
+        return Difference(kind, name, *difference, self.where.get(name, ""), isinstance(theirs, Projected))
+
+
+def _projected_like(tensor, reference):
+    """``tensor`` in the ``Projected`` form where ``reference`` has that form (the reduced check)."""
+    return Projected.of(tensor) if isinstance(reference, Projected) and not isinstance(tensor, Projected) else tensor
 
 
 def _is_floating(value) -> bool:
@@ -411,14 +471,25 @@ def _is_floating(value) -> bool:
 
 
 def _norm_of_difference(actual, expected) -> float:
+    """The L2 norm of ``actual - expected`` in float64, a chunk at a time (no float64 copy of a whole tensor)."""
     if isinstance(expected, Projected):
-        return actual.distance_to(expected)
-    return (actual.detach().double().cpu() - expected.detach().double().cpu()).norm().item()
+        return _projected_like(actual, expected).distance_to(expected)
+    if actual.shape != expected.shape:
+        return float("inf")
+    square = 0.0
+    for mine, theirs in zip(_chunks(actual), _chunks(expected)):
+        difference = mine - theirs  # not in place: the chunks of a float64 tensor are views of it
+        square += torch.dot(difference, difference).item()
+    return square**0.5
+
+
+_KINDS = (("output", "outputs"), ("gradient of", "gradients"), ("buffer", "buffers"))  # Difference.kind, StepResult field
 
 
 def rounding_spread(run_torch, weights: dict, reference: StepResult, dtype: torch.dtype) -> dict:
-    """{tensor name: norm} — _SPREAD_FACTOR times the most that torch's own step moves when every
-    float weight is nudged by rounding (relative ``_NUDGE``), over ``_NUDGE_TRIALS`` nudges.
+    """{(kind, tensor name): norm} of the tensors ``reference`` holds (those that differed) — _SPREAD_FACTOR times
+    the most that torch's own step moves when every float weight is nudged by rounding (relative ``_NUDGE``), over
+    ``_NUDGE_TRIALS`` nudges. Of each nudged step only those tensors are kept (``Kept``).
 
     Where an activation sits within rounding of a kink (a ReLU or max input near its switch
     point), the two sides' different (both valid) rounding can put it on different sides, and
@@ -430,13 +501,13 @@ def rounding_spread(run_torch, weights: dict, reference: StepResult, dtype: torc
     nudge = _NUDGE.get(dtype, _NUDGE[torch.float32])
     spread = {}
     for _ in range(_NUDGE_TRIALS):
-        moved = run_torch(_nudged(weights, nudge, generator))
-        for theirs, ours in ((moved.outputs, reference.outputs), (moved.gradients, reference.gradients),
-                             (moved.buffers, reference.buffers)):  # fmt: skip
-            for name, value in theirs.items():
-                if _is_floating(value) and name in ours:
-                    spread[name] = max(spread.get(name, 0.0), _SPREAD_FACTOR * _norm_of_difference(value, ours[name]))
-        del moved  # not held while the next step runs: a step's outputs can be as large as its logits
+        moved = run_torch(_nudged(weights, nudge, generator), sink=Kept(like=reference))
+        for kind, field_name in _KINDS:
+            ours = getattr(reference, field_name)
+            for name, value in getattr(moved, field_name).items():
+                norm = _SPREAD_FACTOR * _norm_of_difference(value, ours[name])
+                spread[kind, name] = max(spread.get((kind, name), 0.0), norm)
+        del moved  # not held while the next step runs
     return spread
 
 
@@ -455,23 +526,28 @@ FIRST_EVAL = ("eval_step differs from the module in eval mode on the same batch 
               "itself (model.eval(): it holds the trained weights)")  # fmt: skip
 
 
-def check(ort: StepResult, run_torch, weights: dict, dtype: torch.dtype, where: dict, mode: str, reference=None,
-          subject=FIRST_STEP, weights_written=False) -> None:  # fmt: skip
-    """Compare ``ort`` with torch's step on ``weights`` (``reference``, or ``run_torch(weights)``, see
-    ``torch_step`` and ``torch_eval``; a ``reference`` that differs is taken again on ``weights`` if they may have been
-    ``weights_written`` since); differences that rounding at a kink explains are excused (``rounding_spread``); report
-    the rest under ``subject``."""
+def check(ort: StepResult, run_torch, weights: dict, dtype: torch.dtype, where: dict, mode: str,
+          subject=FIRST_STEP) -> None:  # fmt: skip
+    """Compare ``ort`` with torch's step on ``weights`` (``run_torch(weights, sink=...)``: ``torch_step`` or
+    ``torch_eval``), tensor by tensor as torch computes them (``Comparison``); differences that rounding at a kink
+    explains are excused (``rounding_spread``); report the rest under ``subject``."""
     if mode == "off":
         return
-    taken_before = reference is not None
-    reference = reference if taken_before else run_torch(weights)
-    differences = compare(ort, reference, dtype, where)
-    if differences and taken_before and weights_written:  # (Reference) torch's step on the weights as they are
-        reference = run_torch(weights)
-        differences = compare(ort, reference, dtype, where)
+    comparison = Comparison(ort, dtype, where)
+    run_torch(weights, sink=comparison)
+    differences = comparison.differences()
     if differences:
-        differences = compare(ort, reference, dtype, where, rounding_spread(run_torch, weights, reference, dtype))
+        spread = rounding_spread(run_torch, weights, comparison.kept, dtype)
+        differences = [difference for difference in differences if not _excused(difference, ort, comparison.kept, spread)]
     report(differences, mode, subject)
+
+
+def _excused(difference: Difference, ort: StepResult, reference: StepResult, spread: dict) -> bool:
+    """Whether ``difference`` is no larger than what rounding alone moves torch's own result by (``spread``)."""
+    field_name = dict(_KINDS)[difference.kind]
+    mine, theirs = getattr(ort, field_name)[difference.name], getattr(reference, field_name)[difference.name]
+    key = (difference.kind, difference.name)
+    return key in spread and _norm_of_difference(mine, theirs) <= spread[key]
 
 
 def report(differences: list, mode: str, subject=FIRST_STEP) -> None:

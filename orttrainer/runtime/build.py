@@ -280,9 +280,7 @@ def from_torch(source, exported, device, providers, data_parallel=None, shared=N
     onnx_model = _postprocess(exported.onnx_model, options._internal_use.extra_postprocess)
     facts = tensor_facts.infer_tensor_facts(onnx_model)
     trainable = _trainable(module, onnx_model, desc.loss_output.name, options, facts)
-    # the first-step check's torch side, taken before any ONNX Runtime memory exists (NOTES.md §18)
     checked = options.debug.check_against_torch != "off" and not _random_draws_refuse_the_check(onnx_model)
-    reference = _torch_reference(source, exported) if checked else None
     in_graph = _in_graph(onnx_model, exported.state)
     sample_shapes = {entry.name: list(tensor.shape) for entry, tensor in zip(desc.inputs, exported.inputs)}
     if shared is None:
@@ -304,10 +302,8 @@ def from_torch(source, exported, device, providers, data_parallel=None, shared=N
         runtime.batch_counters = shared.batch_counters
     runtime.written_buffers = [_WrittenBuffer(name, output, exported.state[name], runtime.train_session)
                                for name, output in outputs_for_trainer.written_buffers(onnx_model).items()]  # fmt: skip
-    if reference is not None and shared is None and data_parallel is not None:  # rank 0's weights, after torch's step
-        reference.weights_written = True
-    runtime.reference = reference  # the first train_step on this graph checks against it
-    if checked:  # and the first eval_step against the module in eval mode
+    if checked:  # the first train_step on this graph checks against torch, and the first eval_step
+        runtime.reference = _torch_reference(source, exported)
         runtime.eval_reference = verify.ModuleCall(source.module, source.forward_names, exported.constants)
     for index, tensor in enumerate(exported.outputs):
         desc.add_type_to_output_description(index, tensor.dtype, getattr(desc.outputs[index], "dtype_amp", None))
@@ -317,21 +313,15 @@ def from_torch(source, exported, device, providers, data_parallel=None, shared=N
 
 
 def _torch_reference(source, exported) -> verify.Reference:
-    """torch autograd's step on the exported batch and weights (dropout off): outputs, every parameter's gradient, buffers.
+    """The torch side of the first-step check (torch's step is taken at the check, on the weights as they are then).
     Past ``verify.FULL_CHECK_BYTES`` of weights the gradients are kept as ``verify.Projected`` (said once)."""
-    desc = exported.desc
     parameters = dict(source.module.named_parameters())
     projected = sum(tensor.numel() * tensor.element_size() for tensor in parameters.values()) > verify.FULL_CHECK_BYTES
     if projected:
         progress.say_once(f"the first-step check compares each gradient by {verify._PROJECTIONS} random projections "
                           f"(weights over {verify.FULL_CHECK_BYTES // 2**20} MiB: a second full set of gradients would "
                           "not fit in the memory torch's loop takes); outputs and buffers element by element")  # fmt: skip
-    torch_step = amp.under_torch_autocast(source.options.mixed_precision, source.device, verify.torch_step)
-    step = torch_step(source.module, source.loss_fn, source.forward_names, exported.inputs, exported.state,
-                             output_names=[entry.name for entry in desc.outputs], loss_name=desc.loss_output.name,
-                             trained=list(parameters), constants=exported.constants, projected=projected)  # fmt: skip
-    batch_digests = [verify.tensor_digest(tensor) for tensor in exported.inputs]
-    return verify.Reference(source.module, source.forward_names, exported.constants, step, batch_digests, projected)
+    return verify.Reference(source.module, source.forward_names, exported.constants, projected)
 
 
 def _module_tensors(state: dict, names) -> dict:
