@@ -1,5 +1,7 @@
 """Provider selection, device strings and binding arguments (CUDA/ROCm logic checked on the CPU)."""
 
+import ctypes
+
 import onnxruntime
 import pytest
 import torch
@@ -191,3 +193,34 @@ def _config(options, key):
         return options.get_run_config_entry(key)
     except RuntimeError:
         return None
+
+
+class _MallocInfo(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                                                      "uordblks", "fordblks", "keepcost")]  # fmt: skip
+
+
+def _malloc_in_use() -> float:
+    """MiB glibc's malloc has handed out and not had back (heap and mmapped blocks): ONNX Runtime's arena regions
+    and torch's tensors among them."""
+    mallinfo2 = ctypes.CDLL(None).mallinfo2
+    mallinfo2.restype = _MallocInfo
+    info = mallinfo2()
+    return (info.uordblks + info.hblkhd) / 2**20
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="measured with glibc's mallinfo2 (glibc 2.33+)")
+def test_the_first_run_leaves_nothing_of_the_arena_beyond_its_outputs():
+    """An output left in the arena kept the whole region it was cut from after the first run, which gives the rest
+    back (T5's logits kept 730 MiB more than their own 229 through torch's checked step): the first run's outputs are
+    copied out of the arena and its free regions given back. Here 59 MiB of logits kept 73 MiB more before."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 30000))
+    trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), loss_fn=F.cross_entropy,
+                         options=ORTTrainerOptions({"device": {"id": "cpu"}, "debug": {"check_against_torch": "off"}}))
+    x, y = torch.randn(512, 64), torch.randint(0, 30000, (512,))
+    trainer.eval_step(x, y)  # the graph built, its eval session run
+    before = _malloc_in_use()
+    outputs = trainer.train_step(x, y)
+    held = _malloc_in_use() - before - sum(output.numel() * output.element_size() for output in outputs) / 2**20
+    assert held < 8

@@ -10,6 +10,7 @@ stream and returns only once the run is finished (see ``run``).
 """
 
 import contextlib
+import functools
 import os
 
 import numpy as np
@@ -19,6 +20,7 @@ import torch
 from torch.utils.dlpack import from_dlpack
 
 from . import cuda_libraries
+from ..graph.graph_edits import MAX_IR_VERSION
 from ..graph.recompute import IN_LISTED_ORDER
 
 GPU_PROVIDERS = ("CUDAExecutionProvider", "ROCMExecutionProvider")
@@ -199,6 +201,22 @@ def _share_one_cpu_arena(options: onnxruntime.SessionOptions) -> None:
     options.add_session_config_entry(_ENV_ALLOCATORS, "1")
 
 
+@functools.cache
+def _arena_releaser() -> onnxruntime.InferenceSession:
+    """A session of one Identity node on the process's CPU arena: ONNX Runtime gives an arena's free regions back only
+    at the end of a run, and a run of this one (``_give_back_free_arena_memory``) costs nothing."""
+    value = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["x"], ["y"])], "arena_releaser", [value],
+                                   [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])  # fmt: skip
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=MAX_IR_VERSION)
+    return onnxruntime.InferenceSession(model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
+
+
+def _give_back_free_arena_memory() -> None:
+    """Give the process's CPU arena's free regions back to the system, between runs."""
+    _arena_releaser().run(None, {"x": np.zeros(1, np.float32)}, run_options(release_arena=True))
+
+
 @contextlib.contextmanager
 def options_for_one_session(user=None, deterministic=False, optimized_model_path="", threads=None):
     """The SessionOptions to create one session with: :func:`session_options` of a new object, or of
@@ -344,11 +362,12 @@ class TorchBoundSession:
             )
         check_provider_in_use(providers, self.session.get_providers(), device)
         self._run_options = run_options()
-        # The first run, a graph's checked one, gives back at its end what the arena no longer holds: torch takes its
-        # own step next. Later runs keep what they freed, ready for the next run, at any shapes: giving it back at
-        # every new length cost T5 7% of its step, and its peak nothing (benchmarks/NOTES.md §54). A user's options
-        # may turn the arena off, and then there is nothing to give back.
+        # The first run, a graph's checked one, gives back at its end what the arena no longer holds, its outputs
+        # copied out of the shared arena: torch takes its own step next. Later runs keep what they freed, ready for the
+        # next run, at any shapes: giving it back at every new length cost T5 7% of its step, and its peak nothing
+        # (benchmarks/NOTES.md §54). A user's options may turn the arena off, and then there is nothing to give back.
         self._arena = device.type == "cpu" and options.enable_cpu_mem_arena
+        self._on_shared_arena = self._arena and _config_entry(options, _ENV_ALLOCATORS) == "1"
         self._releasing_run_options = run_options(release_arena=True) if self._arena else None
         self._release_after_run = self._arena
         self.input_names = {graph_input.name for graph_input in self.session.get_inputs()}
@@ -391,11 +410,25 @@ class TorchBoundSession:
             self._bind_output(name)
         if self._stream is not None:
             self._wait_for_torch()
-        options = self._releasing_run_options if self._release_after_run else self._run_options
-        self._release_after_run = False
-        self.session.run_with_iobinding(self._binding, options)
+        release, self._release_after_run = self._release_after_run, False
+        self.session.run_with_iobinding(self._binding, self._releasing_run_options if release else self._run_options)
+        if release and self._on_shared_arena:
+            return self._outputs_out_of_the_arena()
+        return self._outputs()
+
+    def _outputs(self) -> list:
         values = self._raw_binding.get_outputs()  # raw OrtValues: no Python wrapper per output
         return [self._as_torch(name, values[self._output_positions[name]]) for name in self._allocated_outputs]
+
+    def _outputs_out_of_the_arena(self) -> list:
+        """The outputs, copied into torch's memory, ONNX Runtime's own released and the arena's free regions given
+        back: an output left in the arena keeps the whole region it was cut from (T5's logits, 229 MiB, kept 730 MiB
+        more of a 1 GiB region through torch's checked step; benchmarks/NOTES.md §55)."""
+        copies = [output.clone() for output in self._outputs()]
+        for name in self._allocated_outputs:
+            self._bind_output(name)
+        _give_back_free_arena_memory()
+        return copies
 
     def _as_torch(self, name, value) -> torch.Tensor:
         tensor = from_dlpack(value.to_dlpack())
