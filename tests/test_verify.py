@@ -242,8 +242,8 @@ def test_the_projected_check_catches_a_gradient_one_percent_off(monkeypatch, cap
         trainer.train_step(*mlp_batch())
 
 
-@pytest.mark.parametrize("case", ["rounding", "one-in-a-million-off", "nan-on-both", "nan-on-one", "inf-sign", "empty",
-                                  "size-1"])  # fmt: skip
+@pytest.mark.parametrize("case", ["rounding", "one-in-a-million-off", "nan-on-both", "nan-on-one", "inf-sign", "inf-on-both",
+                                  "inf-on-torchs", "inf-on-ours", "empty", "size-1"])  # fmt: skip
 def test_projected_comparison_at_boundary_values(case):
     """verify.Projected against the elementwise comparison: rounding-sized differences pass, one element off by far
     more than its tolerance fails, NaN and infinities must be where torch has them; empty and one-element tensors."""
@@ -257,6 +257,9 @@ def test_projected_comparison_at_boundary_values(case):
         ours[5, 5] = float("nan") if case == "nan-on-both" else 0.0
     elif case == "inf-sign":
         torch_gradient[1, 1], ours[1, 1] = float("inf"), float("-inf")
+    elif case.startswith("inf-on"):  # a finite value against an infinity passes the sum of allowances only if unchecked
+        torch_gradient[2, 2] = float("inf") if case != "inf-on-ours" else torch_gradient[2, 2]
+        ours[2, 2] = float("inf") if case != "inf-on-torchs" else ours[2, 2]
     elif case == "empty":
         torch_gradient, ours = torch.zeros(0, 4), torch.zeros(0, 4)
     elif case == "size-1":
@@ -264,7 +267,7 @@ def test_projected_comparison_at_boundary_values(case):
     reference = verify.StepResult({}, {"w": verify.Projected.of(torch_gradient)})
     elementwise = verify.compare(verify.StepResult({}, {"w": ours}), verify.StepResult({}, {"w": torch_gradient}), torch.float32, {})
     projected = verify.compare(verify.StepResult({}, {"w": ours}), reference, torch.float32, {})
-    assert bool(projected) == bool(elementwise) == (case in ("one-in-a-million-off", "nan-on-one", "inf-sign"))
+    assert bool(projected) == bool(elementwise) == (case in ("one-in-a-million-off", "nan-on-one", "inf-sign", "inf-on-torchs", "inf-on-ours"))
 
 
 def test_projected_refuses_float64_values_it_cannot_bound():
