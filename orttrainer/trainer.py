@@ -362,7 +362,7 @@ class ORTTrainer:
         return amp.under_torch_autocast(self.options.mixed_precision, self._device, run_torch)
 
     def _checked_dtype(self):
-        """The dtype ONNX Runtime computed in, which sets the checks' tolerance (verify.compare)."""
+        """The dtype ONNX Runtime computed in, which sets the checks' tolerance (verify.Comparison)."""
         return amp.compute_dtype(self.options.mixed_precision)
 
     # ------------------------------------------------------------- state dict
