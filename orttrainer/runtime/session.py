@@ -17,7 +17,8 @@ import numpy as np
 import onnx
 import onnxruntime
 import torch
-from torch.utils.dlpack import from_dlpack
+from onnxruntime.capi import _pybind_state
+from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from . import cuda_libraries
 from ..graph.graph_edits import MAX_IR_VERSION
@@ -334,6 +335,12 @@ def _ort_device(device: torch.device):
     return ort_device(kind, ort_device.default_memory(), device.index or 0)
 
 
+def _ort_value(tensor: torch.Tensor):
+    """An OrtValue over ``tensor``'s memory, by DLPack: binding by pointer takes a numpy dtype, and numpy has no
+    bfloat16 (a bfloat16 graph's products on torch, torch_products.py, hand bfloat16 tensors to the segments)."""
+    return _pybind_state.OrtValue.from_dlpack(to_dlpack(tensor), False)
+
+
 class TorchBoundSession:
     """An InferenceSession whose inputs and outputs are torch tensors bound by pointer.
 
@@ -388,6 +395,9 @@ class TorchBoundSession:
         """Bind a contiguous tensor on the session's device as input ``name``."""
         if not tensor.is_contiguous():  # ONNX Runtime would read its storage as if it were (a caller's bug)
             raise RuntimeError(f"input '{name}' of shape {list(tensor.shape)} is not contiguous in memory")
+        if tensor.dtype == torch.bfloat16:
+            self._raw_binding.bind_ortvalue_input(name, _ort_value(tensor))
+            return
         self._raw_binding.bind_input(name, self._device, _NUMPY_DTYPES[tensor.dtype], list(tensor.shape), tensor.data_ptr())
 
     def bind_output(self, name: str, tensor: torch.Tensor) -> None:
@@ -395,6 +405,10 @@ class TorchBoundSession:
         parameter) has no memory to bind, and no value to write: the session allocates that output itself."""
         if tensor.numel() == 0:
             self._bind_output(name)
+            return
+        if tensor.dtype == torch.bfloat16:
+            self._raw_binding.bind_ortvalue_output(name, _ort_value(tensor))
+            self._output_positions.setdefault(name, len(self._output_positions))
             return
         self._bind_output(name, _NUMPY_DTYPES[tensor.dtype], list(tensor.shape), tensor.data_ptr())
 
