@@ -21,7 +21,7 @@ from ..optim import lr_scheduler
 MIN_OPSET = 12
 MAX_OPSET = 20  # the TorchScript exporter's highest opset in torch 2.13
 CHECK_MODES = ("error", "warn", "off")  # debug.check_against_torch
-CONVOLUTION_KERNELS = ("auto", "torch", "onnxruntime")  # utils.convolution_kernels
+CONVOLUTION_KERNELS = ("auto", "torch", "onnxruntime")  # utils.convolution_kernels and utils.bfloat16_matmul_kernels
 MIXED_PRECISION_DTYPES = (torch.float16, torch.bfloat16)  # mixed_precision.dtype
 
 
@@ -120,6 +120,8 @@ _SCHEMA = {
         "run_symbolic_shape_infer": _Option(bool, False),
         # orttrainer's own: where a CPU graph's convolutions run (torch_convolutions.py)
         "convolution_kernels": _Option(str, "auto", check=lambda value: None if value in CONVOLUTION_KERNELS else f"must be one of {list(CONVOLUTION_KERNELS)}, got {value!r}"),
+        # orttrainer's own: where a CPU bfloat16 graph's matrix products run (torch_products.py)
+        "bfloat16_matmul_kernels": _Option(str, "auto", check=lambda value: None if value in CONVOLUTION_KERNELS else f"must be one of {list(CONVOLUTION_KERNELS)}, got {value!r}"),
     },
     "debug": {
         "deterministic_compute": _Option(bool, False),

@@ -32,7 +32,7 @@ from ..graph import (
 from ..export import as_trained, refusals, trace, verify
 from .. import progress
 from ..update import amp
-from . import session, torch_convolutions
+from . import session, torch_convolutions, torch_products
 from ..api.model_desc import (FREE_SIZES, _ORTTrainerModelDesc, forward_keywords, forward_parameters, free_axes,
                                infer_model_desc)
 
@@ -508,6 +508,7 @@ def _build(onnx_model, model_desc, weights, trainable, options, device, provider
     mixed_precision = amp.scales_loss(options.mixed_precision)  # float16; a bfloat16 graph computes in float32 (bfloat16.py)
     one_thread = device.type == "cpu" and convolution_work.small_convolutions_dominate(onnx_model, sample_shapes or {})
     convolutions = _convolutions_on_torch(options, device, onnx_model, sample_shapes or {})
+    products = _bfloat16_products_on_torch(options, device, onnx_model)
     nodes = onnx_model.graph.node
     keep_for_torch = torch_convolutions.op_types_for_torch(nodes) if convolutions and torch_convolutions.runs_convolutions(
         nodes) else ()  # fmt: skip
@@ -522,7 +523,7 @@ def _build(onnx_model, model_desc, weights, trainable, options, device, provider
                         [entry.name for entry in model_desc.inputs])  # fmt: skip
     _save_debug_graphs(graphs, options.debug.graph_save_paths)
     with progress.phase(f"opened the ONNX Runtime sessions on {device}"):
-        sessions = _open_sessions(graphs, device, providers, options, one_thread, convolutions)
+        sessions = _open_sessions(graphs, device, providers, options, one_thread, convolutions, products)
     _record_input_types(model_desc, graphs.eval)
     if scales is None:
         loss_scale = torch.tensor(options.mixed_precision.loss_scaler.loss_scale, device=device) if mixed_precision else None
@@ -544,24 +545,41 @@ def _convolutions_on_torch(options, device, onnx_model, sample_shapes: dict) -> 
     return kernels == "torch" or convolution_work.convolutions_worth_splitting(onnx_model, sample_shapes)
 
 
+def _bfloat16_products_on_torch(options, device, onnx_model) -> bool:
+    """Whether a bfloat16 graph's matrix products run on torch's bfloat16 kernels (torch_products.py), by
+    ``utils.bfloat16_matmul_kernels``; "auto": on a CPU with bfloat16 instructions, where they run at several
+    times ONNX Runtime's float32 rate (benchmarks/NOTES.md §57); elsewhere they would be slower, said once."""
+    kernels = options.utils.bfloat16_matmul_kernels
+    if not _splits_for_torch(options, device) or kernels == "onnxruntime" or not bfloat16.casts_to_bfloat16(onnx_model):
+        return False
+    if kernels == "torch" or torch_products.fast_on_this_cpu():
+        return True
+    warnings.warn("orttrainer: this CPU has no bfloat16 instructions (AVX512-BF16, AMX), so the bfloat16 graph's "
+                  "matrix products run as float32 ones in ONNX Runtime; utils.bfloat16_matmul_kernels 'torch' runs them "
+                  "on torch's bfloat16 kernels", stacklevel=2)  # fmt: skip
+    return False
+
+
 def _splits_for_torch(options, device) -> bool:
-    """Whether graphs may be cut for torch's kernels: on the CPU in float32 (torch's kernels there are
-    float32 ones), and not when the optimized graph is saved (one graph to save)."""
+    """Whether graphs may be cut for torch's kernels: on the CPU in float32 or bfloat16 (torch's kernels there
+    compute as the graph does; a float16 graph's would not), and not when the optimized graph is saved (one
+    graph to save)."""
     return (
         device.type == "cpu"
-        and not options.mixed_precision.enabled
+        and not amp.scales_loss(options.mixed_precision)
         and not options.debug.graph_save_paths.model_with_training_graph_after_optimization_path
     )
 
 
-def _open_sessions(graphs, device, providers, options, one_thread: bool, convolutions: bool):
+def _open_sessions(graphs, device, providers, options, one_thread: bool, convolutions: bool, products: bool):
     """(training session, eval session); a training graph ONNX Runtime has no kernel for is named, and so is the
     node of a graph it rejects.
 
     On the CPU with ``convolutions`` (``_convolutions_on_torch``), a graph runs its convolutions and the
     ReLU gradients between them on torch's kernels (torch_convolutions.py); the segments between them run
     on one thread, where ONNX Runtime's second thread would only contend with torch's (benchmarks/NOTES.md
-    §18). LSTMs, GRUs and RNNs run on torch's (torch_recurrent.py).
+    §18). LSTMs, GRUs and RNNs run on torch's (torch_recurrent.py), and with ``products`` a bfloat16 graph's matrix
+    products (torch_products.py).
     """
     debug, user = options.debug, options.session_options
 
@@ -574,8 +592,8 @@ def _open_sessions(graphs, device, providers, options, one_thread: bool, convolu
     splits = _splits_for_torch(options, device)  # LSTMs and GRUs whatever the convolutions do (§21)
 
     def open_graph(model, optimized_model_path=""):
-        if splits and torch_convolutions.can_split(model, convolutions):
-            return torch_convolutions.SplitSession(model, open_session, convolutions)
+        if splits and torch_convolutions.can_split(model, convolutions, products):
+            return torch_convolutions.SplitSession(model, open_session, convolutions, products)
         if convolutions:  # what the build left for torch's kernels, which will not run it
             cpu_kernels.use_fast_cpu_kernels(model)
             # the build replaced every exact kernel but those it left for torch (MaxPool): not twice

@@ -28,9 +28,9 @@ import torch
 from onnx import helper, numpy_helper
 
 from ..graph import defined_gradients, nodes_for_torch
-from . import session, torch_ctc, torch_ops, torch_recurrent
+from . import session, torch_ctc, torch_ops, torch_products, torch_recurrent
 from ..graph.rewrites import is_torch_hard_sigmoid, node_attributes
-from .torch_ops import FunctionStep, NodeStep
+from .torch_ops import TORCH_DOMAIN, FunctionStep, NodeStep
 
 TORCH_OPS = ("Conv", "ConvGrad")
 # A HardSwish or HardSigmoid gradient's nodes (defined_gradients.py) collapsed into one node for torch; not
@@ -41,7 +41,6 @@ _COLLAPSED_GRADIENTS = {"HardSwish": HARD_SWISH_GRADIENT, "HardSigmoid": HARD_SI
 # A MaxPoolGrad (dy, indices) that also reads its MaxPool's input, whose shape torch's kernel needs; for
 # torch only, like HARD_SWISH_GRADIENT.
 MAX_POOL_GRADIENT = "MaxPoolGradFromInput"
-_TORCH_DOMAIN = "orttrainer.torch"
 _HALF_TYPES = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 
 
@@ -198,7 +197,7 @@ def attach_max_pool_inputs(model: onnx.ModelProto) -> int:
         if forward is None or forward.op_type != "MaxPool" or not max_pool_runs_on_torch(forward):
             continue
         gradient = helper.make_node(MAX_POOL_GRADIENT, [node.input[0], node.input[1], forward.input[0]], list(node.output),
-                                    name=node.name, domain=_TORCH_DOMAIN)  # fmt: skip
+                                    name=node.name, domain=TORCH_DOMAIN)  # fmt: skip
         gradient.attribute.extend(forward.attribute)
         model.graph.node[index].CopyFrom(gradient)
         replaced += 1
@@ -271,9 +270,10 @@ def runs_convolutions(nodes) -> bool:
 
 def torch_nodes(nodes, convolutions: bool) -> set:
     """Names of the nodes torch runs: the LSTMs and GRUs torch can take (in training, both ways), the CTC
-    losses, and with ``convolutions`` the convolutions and, when there are any, the ``STEPS_BETWEEN_CONVOLUTIONS``
-    and the sums of torch's gradients."""
+    losses, the bfloat16 products ``torch_products.rewrite`` left, and with ``convolutions`` the convolutions and,
+    when there are any, the ``STEPS_BETWEEN_CONVOLUTIONS`` and the sums of torch's gradients."""
     names = torch_recurrent.torch_nodes(nodes) | torch_ctc.torch_nodes(nodes)
+    names |= {node.name for node in nodes if torch_products.is_product(node)}
     if convolutions and runs_convolutions(nodes):
         names |= {node.name for node in nodes if torch_can_run(node) or _torch_runs_between(node)}
         names |= _joining_torch_gradients(nodes, names)
@@ -306,7 +306,7 @@ def collapse_defined_gradients(model: onnx.ModelProto) -> int:
             collapsed[id(node)] = None
         last = next(node for node in group if result in node.output)
         collapsed[id(last)] = helper.make_node(_COLLAPSED_GRADIENTS[forward.op_type], [gradient, forward.input[0]], [result],
-                                               name=f"{forward.name}_Grad/torch", domain=_TORCH_DOMAIN)  # fmt: skip
+                                               name=f"{forward.name}_Grad/torch", domain=TORCH_DOMAIN)  # fmt: skip
     kept = [collapsed.get(id(node), node) for node in nodes]
     del model.graph.node[:]
     model.graph.node.extend(node for node in kept if node is not None)
@@ -325,11 +325,11 @@ def _joining_torch_gradients(nodes, on_torch: set) -> set:
     return joining
 
 
-def can_split(model: onnx.ModelProto, convolutions: bool = True) -> bool:
-    """Whether ``model`` has nodes for torch (``torch_nodes``) and nothing the split cannot cut (subgraphs,
-    graph outputs that no node computes)."""
+def can_split(model: onnx.ModelProto, convolutions: bool = True, products: bool = False) -> bool:
+    """Whether ``model`` has nodes for torch (``torch_nodes``, and with ``products`` the bfloat16 products,
+    torch_products.py) and nothing the split cannot cut (subgraphs, graph outputs that no node computes)."""
     nodes = model.graph.node
-    if not torch_nodes(nodes, convolutions):
+    if not torch_nodes(nodes, convolutions) and not (products and torch_products.products_for_torch(model)):
         return False
     if any(attribute.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in nodes for attribute in n.attribute):
         return False
@@ -445,15 +445,18 @@ class SplitSession:
     all_threads)`` opens a segment's TorchBoundSession: on all threads where ONNX Runtime runs
     convolutions in it (those torch cannot take) or torch runs none, else on one (torch's spinning
     OpenMP threads would contend with the second, NOTES.md §18). With ``convolutions`` False only
-    the LSTMs, GRUs, RNNs and CTC losses run on torch. Segments are opened at their first run, when the
-    element types of what they are handed are known.
+    the LSTMs, GRUs, RNNs and CTC losses run on torch. With ``products`` a bfloat16 graph's matrix products run on
+    torch's bfloat16 kernels (torch_products.py). Segments are opened at their first run, when the element types
+    of what they are handed are known.
     """
 
-    def __init__(self, model: onnx.ModelProto, open_session, convolutions: bool = True):
+    def __init__(self, model: onnx.ModelProto, open_session, convolutions: bool = True, products: bool = False):
         self._model, self._open_session, self._convolutions = model, open_session, convolutions
         if convolutions and runs_convolutions(model.graph.node):
             collapse_defined_gradients(model)
             attach_max_pool_inputs(model)
+        if products:
+            torch_products.rewrite(model)
         self.input_names = {graph_input.name for graph_input in model.graph.input}
         self.output_names = [output.name for output in model.graph.output]
         self._inputs, self._bound_outputs, self._allocated = {}, {}, []
@@ -494,6 +497,8 @@ class SplitSession:
         self._released.reverse()
 
     def _torch_step(self, node: onnx.NodeProto):
+        if torch_products.is_product(node):
+            return torch_products.step(node)
         if node.op_type in _NODE_STEPS:
             return _NODE_STEPS[node.op_type](node)
         if node.op_type in TORCH_OPS:

@@ -18,6 +18,8 @@ import torch
 
 from ..graph.rewrites import node_attributes
 
+TORCH_DOMAIN = "orttrainer.torch"  # nodes only torch runs (no ONNX Runtime kernel): a graph holding one must be split
+
 # Cast targets whose conversions torch does as ONNX Runtime does, checked at edge values (NaN, ±inf and out of
 # range to integers: the CPU's conversion, the type's lowest value, on both sides)
 _CAST_TYPES = {onnx.TensorProto.FLOAT: torch.float32, onnx.TensorProto.DOUBLE: torch.float64,
