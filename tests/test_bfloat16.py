@@ -219,6 +219,19 @@ def test_a_reducing_op_rounds_its_float32_result_once(op_type):
     assert ((ours[finite] - expected[finite]).abs() <= ulp).all() or torch.equal(ours[finite], expected[finite]), op_type
 
 
+@pytest.mark.parametrize("op_type, attributes", [("Transpose", {"perm": [1, 0]}), ("Identity", {})])
+def test_an_op_that_only_moves_values_stays_bfloat16(op_type, attributes):
+    """No float32 round trip around it (two casts over the tensor for the same values): ONNX Runtime's bfloat16
+    kernel moves the values, signs of zeros and NaN included."""
+    x = torch.tensor(BOUNDARY[:12]).reshape(3, 4)
+    rewritten = bfloat16.compute_in_float32(bfloat16_graph(op_type, ["x"], **attributes))
+    assert [node.op_type for node in rewritten.graph.node] == ["Cast", op_type, "Cast"]
+    session = onnxruntime.InferenceSession(rewritten.SerializeToString(), providers=["CPUExecutionProvider"])
+    ours = torch.from_numpy(session.run(None, {"x": x.numpy()})[0])
+    expected = x.bfloat16().transpose(0, 1) if op_type == "Transpose" else x.bfloat16()
+    assert_same_bfloat16(ours, expected, op_type)
+
+
 # ------------------------------------------------------------------------------------------- options and refusals
 def test_dtype_defaults_to_float16_with_its_loss_scaler():
     options = ORTTrainerOptions({"mixed_precision": {"enabled": True}})

@@ -20,6 +20,9 @@ from .graph_edits import with_ir_version
 BFLOAT16 = onnx.TensorProto.BFLOAT16
 # Ops that keep their bfloat16 inputs and outputs: they convert, or only make values (kernels for every type)
 _KEPT_OPS = ("Cast", "Constant")
+# Ops that only move values, with bfloat16 kernels in ONNX Runtime 1.19.2's CPU provider, whose gradients are the
+# same ops: on a bfloat16 tensor they stay bfloat16 (a float32 round trip would give the same values, in two casts)
+MOVING_OPS = ("Transpose", "Reshape", "Identity", "Squeeze", "Unsqueeze")
 
 
 def casts_to_bfloat16(model: onnx.ModelProto) -> bool:
@@ -28,14 +31,15 @@ def casts_to_bfloat16(model: onnx.ModelProto) -> bool:
 
 
 def compute_in_float32(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` with every op that reads or writes a bfloat16 tensor, but casts, computing in float32 between
-    casts (the module docstring). The bfloat16 tensors keep their names, graph inputs and outputs their types."""
+    """``model`` with every op that reads or writes a bfloat16 tensor, but casts and ``MOVING_OPS``, computing in
+    float32 between casts (the module docstring). The bfloat16 tensors keep their names, graph inputs and outputs their types."""
     model = with_ir_version(model)
     types = _elem_types(model)
     to_float32 = {}  # bfloat16 tensor -> its float32 copy, one Cast per tensor
     nodes = []
     for node in model.graph.node:
-        if node.op_type in _KEPT_OPS or not any(types.get(name) == BFLOAT16 for name in (*node.input, *node.output)):
+        moves_bfloat16 = node.op_type in MOVING_OPS and node.domain in ("", "ai.onnx") and types.get(node.input[0]) == BFLOAT16
+        if node.op_type in _KEPT_OPS or moves_bfloat16 or not any(types.get(name) == BFLOAT16 for name in (*node.input, *node.output)):
             nodes.append(node)
             continue
         for position, name in enumerate(node.input):

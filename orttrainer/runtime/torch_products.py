@@ -20,6 +20,7 @@ import onnx
 import torch
 from onnx import helper
 
+from ..graph import bfloat16
 from ..graph.rewrites import node_attributes
 from .torch_ops import TORCH_DOMAIN, NodeStep
 
@@ -53,7 +54,18 @@ def _single_reader(readers: dict, name: str, graph_outputs: set):
     return found[0] if len(found) == 1 and name not in graph_outputs else None
 
 
-def _bfloat16_source(name: str, producers: dict):
+def _bfloat16_tensors(nodes) -> set:
+    """The tensors of a graph bfloat16.compute_in_float32 left that are bfloat16: those Casts to bfloat16 write, and
+    what its ``MOVING_OPS`` make of them (``nodes`` in graph order)."""
+    found = set()
+    for node in nodes:
+        moved = node.op_type in bfloat16.MOVING_OPS and node.domain in ("", "ai.onnx") and node.input[0] in found
+        if moved or _is_cast(node, _BFLOAT16):
+            found.add(node.output[0])
+    return found
+
+
+def _bfloat16_source(name: str, producers: dict, bfloat16_tensors: set):
     """(bfloat16 tensor, Reshape or None) when ``name`` is a bfloat16 tensor cast to float32, maybe reshaped; else None."""
     reshape = producers.get(name)
     if reshape is not None and reshape.op_type == "Reshape":
@@ -61,7 +73,7 @@ def _bfloat16_source(name: str, producers: dict):
     else:
         reshape = None
     cast = producers.get(name)
-    if not _is_cast(cast, _FLOAT) or not _is_cast(producers.get(cast.input[0]), _BFLOAT16):
+    if not _is_cast(cast, _FLOAT) or cast.input[0] not in bfloat16_tensors:
         return None
     return cast.input[0], reshape
 
@@ -84,11 +96,12 @@ def _products(model: onnx.ModelProto) -> list:
         for name in node.input:
             readers.setdefault(name, []).append(node)
     graph_outputs = {output.name for output in model.graph.output}
+    bfloat16_tensors = _bfloat16_tensors(nodes)
     found = []
     for node in nodes:
         if (node.domain, node.op_type) not in _PRODUCTS or not _computes_as_torch(node) or len(node.output) != 1:
             continue
-        operands = [_bfloat16_source(name, producers) for name in node.input]
+        operands = [_bfloat16_source(name, producers, bfloat16_tensors) for name in node.input]
         reader = _single_reader(readers, node.output[0], graph_outputs)
         reshape = reader if reader is not None and reader.op_type == "Reshape" else None
         rounding = _single_reader(readers, reshape.output[0], graph_outputs) if reshape is not None else reader
