@@ -66,14 +66,17 @@ def _loss(forward, workload, batch):
     return workload.loss_fn(forward(*batch[:-1]), batch[-1])
 
 
-def _torch_step(model, workload, compiled):
+def _torch_step(model, workload, compiled, autocast=False):
+    """``autocast``: forward and loss under torch.autocast("cpu", dtype=torch.bfloat16)."""
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
     forward = torch.compile(model) if compiled else model
     timed_update = _Timed(optimizer.step)
 
     def step(batch):
         optimizer.zero_grad(set_to_none=True)
-        _loss(forward, workload, batch).backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = _loss(forward, workload, batch)
+        loss.backward()
         timed_update()
 
     return step, timed_update
@@ -156,6 +159,8 @@ def _make_step(contender, workload, batch, options=None):
         return _torch_step(model, workload, compiled=False)
     if contender == "torch.compile":
         return _torch_step(model, workload, compiled=True)
+    if contender == "torch autocast bfloat16":
+        return _torch_step(model, workload, compiled=False, autocast=True)
     if contender == "orttrainer":
         return _orttrainer_step(model, workload, options)
     if contender == "on-device ORT API":
