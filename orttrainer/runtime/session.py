@@ -150,17 +150,24 @@ _BREAKS_CUBIC_RESIZE = ["TransposeOptimizer_CPUExecutionProvider"]
 # (a segmentation fault) on a float16 training graph where a MatMul's output gets a bias computed from a weight, as in
 # cdist's matrix-product form (docs/stack_facts.md).
 _BREAKS_FLOAT16_GEMMS = ["GemmTransposeFusion"]
+# Off in the sessions of bfloat16 graphs: with it, ONNX Runtime 1.19.2 crashed at session creation (a segmentation
+# fault) on a split segment of a bfloat16 transformer's gradient (attention's FusedMatMuls between Transposes and
+# Casts to and from bfloat16); with it off the segment opens and trains as torch.autocast (test_bfloat16).
+_BREAKS_BFLOAT16_MATMULS = ["MatmulTransposeFusion"]
 _SPINNING_ENTRIES = ("session.intra_op.allow_spinning", "session.inter_op.allow_spinning")
 
 
 def disabled_optimizers(model: onnx.ModelProto) -> list:
     """The graph transformers a session of ``model`` runs without: ``_DISABLED_OPTIMIZERS``,
-    ``_BREAKS_CUBIC_RESIZE`` if it holds a cubic Resize, ``_BREAKS_FLOAT16_GEMMS`` if it computes in float16."""
+    ``_BREAKS_CUBIC_RESIZE`` if it holds a cubic Resize, ``_BREAKS_FLOAT16_GEMMS`` if it computes in float16,
+    ``_BREAKS_BFLOAT16_MATMULS`` in bfloat16."""
     cubic = any(node.op_type == "Resize" and attribute.name == "mode" and attribute.s == b"cubic"
                 for node in model.graph.node for attribute in node.attribute)  # fmt: skip
-    float16 = any(node.op_type == "Cast" and attribute.name == "to" and attribute.i == onnx.TensorProto.FLOAT16
-                  for node in model.graph.node for attribute in node.attribute)  # fmt: skip
-    return _DISABLED_OPTIMIZERS + (_BREAKS_CUBIC_RESIZE if cubic else []) + (_BREAKS_FLOAT16_GEMMS if float16 else [])
+    casts = {attribute.i for node in model.graph.node if node.op_type == "Cast" for attribute in node.attribute
+             if attribute.name == "to"}  # fmt: skip
+    return (_DISABLED_OPTIMIZERS + (_BREAKS_CUBIC_RESIZE if cubic else [])
+            + (_BREAKS_FLOAT16_GEMMS if onnx.TensorProto.FLOAT16 in casts else [])
+            + (_BREAKS_BFLOAT16_MATMULS if onnx.TensorProto.BFLOAT16 in casts else []))
 
 
 def session_options(base=None, deterministic=False, optimized_model_path="", threads=None) -> onnxruntime.SessionOptions:
