@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from on_device import on_device_training  # noqa: E402
-from workloads import WORKLOADS, Workload, train_on, zoo_workloads  # noqa: E402
+from workloads import BFLOAT16_WORKLOADS, WORKLOADS, Workload, train_on, zoo_workloads  # noqa: E402
 
 CONTENDERS = ["torch eager", "torch.compile", "orttrainer", "on-device ORT API", "ORTModule"]
 ADAMW = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
@@ -211,16 +211,18 @@ def _worker(connection, workload_index, contender, warmup, suite, options=None):
     connection.send({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
 
 
-SUITES = ("full", "quick", "zoo")
+SUITES = ("full", "quick", "zoo", "bfloat16")
 
 
 def _workloads(suite):
     """The workloads of a suite: "full" (workloads.py and the 1-element model), "quick" (two of
-    them, for CI), "zoo" (the test zoo's models)."""
+    them, for CI), "zoo" (the test zoo's models), "bfloat16" (benchmarks/bfloat16.py's)."""
     if suite == "quick":
         return [WORKLOADS[1], _tiny_workload()]
     if suite == "zoo":
         return zoo_workloads()
+    if suite == "bfloat16":
+        return BFLOAT16_WORKLOADS
     return WORKLOADS + [_tiny_workload()]
 
 

@@ -64,14 +64,31 @@ def MobileNetV3():
 class GPT2(nn.Module):
     """transformers' GPT2LMHeadModel from a config (random weights, no dropout), logits from token ids."""
 
-    def __init__(self, layers=6, width=512, vocab=8000, seq=128):
+    def __init__(self, layers=6, width=512, vocab=8000, seq=128, heads=8):
         super().__init__()
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        config = GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=width, n_layer=layers, n_head=8, resid_pdrop=0.0,
+        config = GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=width, n_layer=layers, n_head=heads, resid_pdrop=0.0,
                             embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
                             attn_implementation="eager")
         self.model = GPT2LMHeadModel(config)
+
+    def forward(self, tokens):
+        return self.model(tokens).logits
+
+
+class BertClassifier(nn.Module):
+    """transformers' BertForSequenceClassification from a config (random weights, no dropout), BERT-base's shape by
+    default: logits of 2 labels from token ids."""
+
+    def __init__(self, layers=12, width=768, vocab=30522, seq=128):
+        super().__init__()
+        from transformers import BertConfig, BertForSequenceClassification
+
+        config = BertConfig(vocab_size=vocab, hidden_size=width, num_hidden_layers=layers, num_attention_heads=width // 64,
+                            intermediate_size=4 * width, max_position_embeddings=seq, hidden_dropout_prob=0.0,
+                            attention_probs_dropout_prob=0.0, num_labels=2, attn_implementation="eager")
+        self.model = BertForSequenceClassification(config)
 
     def forward(self, tokens):
         return self.model(tokens).logits
@@ -123,6 +140,22 @@ WORKLOADS = [
     Workload("HF GPT-2 6x d512 vocab 8000 seq 128 (8)", GPT2, lm_loss, _tokens(8, vocab=8000, seq=128)),
     Workload("LSTM classifier, embedding 128, hidden 256, seq 32 (16)", lambda: zoo.RecurrentClassifier(width=128, hidden=256),
              F.cross_entropy, lambda g: zoo.padded_token_batch(16, 32, generator=g)),
+]
+
+
+def _labelled_tokens(batch, vocab, seq):
+    return lambda g: (torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, 2, (batch,), generator=g))
+
+
+# issue 45's bfloat16 rows: the GPT-2 above, GPT-2 small (124M), a BERT-base-shaped classifier, the CIFAR ResNet
+_BY_NAME = {workload.name: workload for workload in WORKLOADS}
+BFLOAT16_WORKLOADS = [
+    _BY_NAME["HF GPT-2 6x d512 vocab 8000 seq 128 (8)"],
+    Workload("HF GPT-2 small 12x d768 vocab 50257 seq 128 (4)", lambda: GPT2(layers=12, width=768, vocab=50257, heads=12),
+             lm_loss, _tokens(4, vocab=50257, seq=128)),
+    Workload("HF BERT-base classifier 12x d768 seq 128 (16)", BertClassifier, F.cross_entropy,
+             _labelled_tokens(16, vocab=30522, seq=128)),
+    _BY_NAME["ResNet basic blocks + BatchNorm 3x32x32 (32)"],
 ]
 
 
