@@ -174,11 +174,34 @@ def test_a_linear_on_torch_is_torch_autocasts_own_bit_for_bit():
 
 
 def test_a_product_whose_float32_result_is_read_elsewhere_stays_emulated():
-    """Its unrounded result feeds another node: computing it in bfloat16 would round that node's input."""
+    """A forward product's unrounded result feeds another node (a symbolic computing in float32, as attention's):
+    computing it in bfloat16 would round that node's input, which torch's kernel does not."""
     model = product_graph("MatMul", ["a", "b"])
     model.graph.node.append(helper.make_node("Relu", ["p"], ["z"], name="relu"))
     model.graph.output.append(helper.make_tensor_value_info("z", FLOAT, None))
     assert torch_products.rewrite(model) == 0
+
+
+def test_a_gradient_product_summed_in_float32_rounds_first_as_torchs_autograd():
+    """ONNX Runtime's gradient builder sums the input gradients of the products that read one tensor (BERT's query,
+    key and value) in float32, and a broadcast product's in a ReduceSum: torch's autograd rounds each product to
+    bfloat16 first. On torch, the gradient product rounds, then is cast up for that sum."""
+    model = product_graph("MatMul", ["a", "b"])
+    product = next(node for node in model.graph.node if node.name == "product")
+    product.name = "/layer/MatMul_Grad/MatMul_0"
+    model.graph.node.append(helper.make_node("Sum", ["p", "p"], ["s"], name="gradients summed"))
+    model.graph.output.append(helper.make_tensor_value_info("s", FLOAT, None))
+    rewritten = onnx.ModelProto.FromString(model.SerializeToString())
+    assert torch_products.rewrite(rewritten) == 1
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.randn(16, 24, generator=generator), torch.randn(24, 8, generator=generator)
+    session = split.SplitSession(rewritten, _open_session, convolutions=False, products=True)
+    session.bind_input("a", a)
+    session.bind_input("b", b)
+    session.allocate_outputs(["s"])
+    (summed,) = session.run()
+    rounded = torch.matmul(a.bfloat16(), b.bfloat16()).float()
+    assert torch.equal(summed, rounded + rounded)
 
 
 def test_a_product_of_a_float32_operand_stays_emulated():

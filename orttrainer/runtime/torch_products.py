@@ -10,7 +10,10 @@ run those at several times their float32 rate (benchmarks/NOTES.md §57).
 
 ``rewrite`` replaces each such product, in place, by a node of the torch domain that reads the bfloat16 tensors
 and writes the rounded one (a ``Reshape`` on either side moves to the bfloat16 tensor: it only moves values); the
-float32 copies nothing else reads go. A :class:`~orttrainer.torch_convolutions.SplitSession` runs those nodes
+float32 copies nothing else reads go. Where ONNX Runtime's gradient builder (its nodes' names hold ``_Grad/``) sums
+a product of bfloat16 operands in float32 before rounding (a broadcast product's ``ReduceSum``, the input gradients of several products of one tensor
+added up), the product on torch rounds first, then is cast to float32 for that sum: torch's autograd rounds each
+product, and sums bfloat16 gradients. A :class:`~orttrainer.torch_convolutions.SplitSession` runs those nodes
 with ``step``.
 """
 
@@ -41,7 +44,7 @@ class _Product:
 
     node: onnx.NodeProto
     operands: list  # per input: (the bfloat16 tensor, the Reshape between its cast and the product, or None)
-    rounding: onnx.NodeProto  # the Cast to bfloat16 of the result
+    rounding: onnx.NodeProto  # the Cast to bfloat16 of the result, or None where float32 ops read it
     reshape: onnx.NodeProto  # the Reshape between the product and that Cast, or None
 
 
@@ -105,8 +108,12 @@ def _products(model: onnx.ModelProto) -> list:
         reader = _single_reader(readers, node.output[0], graph_outputs)
         reshape = reader if reader is not None and reader.op_type == "Reshape" else None
         rounding = _single_reader(readers, reshape.output[0], graph_outputs) if reshape is not None else reader
-        if all(operands) and _is_cast(rounding, _BFLOAT16):
+        if not all(operands):
+            continue
+        if _is_cast(rounding, _BFLOAT16):
             found.append(_Product(node, operands, rounding, reshape))
+        elif "_Grad/" in node.name:  # a gradient summed in float32 (a broadcast's ReduceSum, gradients added up)
+            found.append(_Product(node, operands, None, None))
     return found
 
 
@@ -136,10 +143,17 @@ def rewrite(model: onnx.ModelProto) -> int:
             if inputs[-1] not in moved:
                 moved.add(inputs[-1])
                 replaced.setdefault(id(product.node), []).append(_reshaped(reshape, source, inputs[-1]))
-        result = product.rounding.output[0] if product.reshape is None else f"{product.node.output[0]}.bfloat16"
+        if product.rounding is None:
+            result = f"{product.node.output[0]}.bfloat16"
+        else:
+            result = product.rounding.output[0] if product.reshape is None else f"{product.node.output[0]}.bfloat16"
         torch_node = helper.make_node(product.node.op_type, inputs, [result], name=product.node.name, domain=TORCH_DOMAIN)
         torch_node.attribute.extend(product.node.attribute)
         replaced.setdefault(id(product.node), []).append(torch_node)
+        if product.rounding is None:
+            replaced[id(product.node)].append(
+                helper.make_node("Cast", [result], [product.node.output[0]], name=f"{product.node.name}/float32", to=_FLOAT))
+            continue
         rounded = [] if product.reshape is None else [_reshaped(product.reshape, result, product.rounding.output[0])]
         replaced[id(product.rounding)] = rounded
         if product.reshape is not None:
