@@ -105,7 +105,7 @@ def bar_chart(stored, path) -> None:
     import matplotlib.pyplot as plt
 
     names, contenders = list(stored), list(CONTENDERS)
-    figure, axes = plt.subplots(figsize=(9, 1.5 + 0.35 * len(names) * len(contenders) / 2))
+    figure, axes = plt.subplots(figsize=(9, 2.5 + 0.35 * len(names) * len(contenders) / 2))
     height = 0.8 / len(contenders)
     for index, contender in enumerate(contenders):
         ratios = []
@@ -118,7 +118,7 @@ def bar_chart(stored, path) -> None:
     axes.set_yticks([i + 0.4 - height / 2 for i in range(len(names))], names, fontsize=8)
     axes.invert_yaxis()
     axes.set_xlabel("step time / torch.autocast bfloat16's (lower is faster)")
-    axes.legend(fontsize=7, loc="lower right")
+    axes.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
