@@ -56,12 +56,13 @@ def main():
         parser.error(f"--contenders: unknown {unknown}; choose from {list(CONTENDERS)}")
     results = bench.measure(index, workloads[index], arguments.rounds, arguments.steps, warmup=2, suite="bfloat16", env={},
                             contenders={label: CONTENDERS[label] for label in chosen})  # fmt: skip
-    stored = json.loads(arguments.out.with_suffix(".json").read_text()) if arguments.out.with_suffix(".json").exists() else {}
+    stored_at = arguments.out.with_suffix(".json")
+    stored = json.loads(stored_at.read_text()) if stored_at.exists() else {}
     earlier = stored.get(workloads[index].name, {}).get("results", {}) if len(chosen) < len(CONTENDERS) else {}
     stored[workloads[index].name] = {"rounds": arguments.rounds, "steps": arguments.steps, "threads": torch.get_num_threads(),
                                      "measured": time.strftime("%Y-%m-%d %H:%M"), "results": {**earlier, **results},
                                      "runs": stored.get(workloads[index].name, {}).get("runs", 0) + 1 if earlier else 1}  # fmt: skip
-    arguments.out.with_suffix(".json").write_text(json.dumps(stored, indent=1))
+    stored_at.write_text(json.dumps(stored, indent=1))
     table = report(stored)
     arguments.out.with_suffix(".md").write_text(table)
     bar_chart(stored, arguments.out.with_suffix(".png"))

@@ -132,3 +132,22 @@ def test_resume_memory_quick_row_measures_every_contender_and_each_resume_gives_
         assert "error" not in run[contender] and run[contender]["peak_rss_gib"] > 0, (contender, run[contender])
         assert contender == "train" or run[contender]["same_loss"], contender
     assert (tmp_path / "resume_memory.md").read_text().count("| mlp-tiny") == 1
+
+
+def test_bfloat16_report_gives_each_contender_its_ratio_to_autocast_and_keeps_errors(tmp_path):
+    """benchmarks/bfloat16.py's table and chart from its stored runs: a median over every step, the ratio to
+    torch.autocast's median, peak RSS, and a contender that failed reported as such, not dropped."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bfloat16
+
+    stored = {"a workload": {"rounds": 2, "steps": 2, "threads": 2, "measured": "2026-12-06 14:00", "runs": 2, "results": {
+        "torch autocast bfloat16": {"durations": [2.0, 2.0, 3.0], "peak_rss_mb": 100.0},
+        "orttrainer bfloat16 (products on torch)": {"durations": [1.0, 9.0, 1.0], "peak_rss_mb": 250.4},
+        "orttrainer float32": {"error": "RuntimeError: no kernel"}}}}  # fmt: skip
+    table = bfloat16.report(stored)
+    assert "| orttrainer bfloat16 (products on torch) | 1.000 | 0.50 | 250 |" in table
+    assert "| torch autocast bfloat16 | 2.000 | 1.00 | 100 |" in table
+    assert "| orttrainer float32 | RuntimeError: no kernel | | |" in table
+    assert "contenders measured in 2 runs" in table
+    bfloat16.bar_chart(stored, tmp_path / "chart.png")
+    assert (tmp_path / "chart.png").stat().st_size > 1000

@@ -11,9 +11,9 @@ run those at several times their float32 rate (benchmarks/NOTES.md §57).
 ``rewrite`` replaces each such product, in place, by a node of the torch domain that reads the bfloat16 tensors
 and writes the rounded one (a ``Reshape`` on either side moves to the bfloat16 tensor: it only moves values); the
 float32 copies nothing else reads go. Where ONNX Runtime's gradient builder (its nodes' names hold ``_Grad/``) sums
-a product of bfloat16 operands in float32 before rounding (a broadcast product's ``ReduceSum``, the input gradients of several products of one tensor
-added up), the product on torch rounds first, then is cast to float32 for that sum: torch's autograd rounds each
-product, and sums bfloat16 gradients. A :class:`~orttrainer.torch_convolutions.SplitSession` runs those nodes
+a product of bfloat16 operands in float32 before rounding (a broadcast product's ``ReduceSum``, the input gradients
+of several products of one tensor added up), the product on torch rounds first, then is cast to float32 for that
+sum: torch's autograd rounds each product, and sums bfloat16 gradients. A :class:`~orttrainer.torch_convolutions.SplitSession` runs those nodes
 with ``step``.
 """
 
