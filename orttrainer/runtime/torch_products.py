@@ -128,8 +128,8 @@ def products_for_torch(model: onnx.ModelProto) -> set:
 
 
 def rewrite(model: onnx.ModelProto) -> int:
-    """Replace, in place, each product of bfloat16 operands rounded to bfloat16 by a torch-domain node on the
-    bfloat16 tensors (the module docstring); return how many."""
+    """Replace, in place, each product of bfloat16 operands rounded to bfloat16, or summed in float32 by the
+    gradient builder, by a torch-domain node on the bfloat16 tensors (the module docstring); return how many."""
     products = _products(model)
     replaced = {}  # id of a node: the nodes that take its place
     moved = set()  # the operands' Reshapes already moved to the bfloat16 tensor (two products may read one)
@@ -143,10 +143,8 @@ def rewrite(model: onnx.ModelProto) -> int:
             if inputs[-1] not in moved:
                 moved.add(inputs[-1])
                 replaced.setdefault(id(product.node), []).append(_reshaped(reshape, source, inputs[-1]))
-        if product.rounding is None:
-            result = f"{product.node.output[0]}.bfloat16"
-        else:
-            result = product.rounding.output[0] if product.reshape is None else f"{product.node.output[0]}.bfloat16"
+        rounded_by_torch = product.rounding is not None and product.reshape is None  # torch writes the rounded tensor
+        result = product.rounding.output[0] if rounded_by_torch else f"{product.node.output[0]}.bfloat16"
         torch_node = helper.make_node(product.node.op_type, inputs, [result], name=product.node.name, domain=TORCH_DOMAIN)
         torch_node.attribute.extend(product.node.attribute)
         replaced.setdefault(id(product.node), []).append(torch_node)
