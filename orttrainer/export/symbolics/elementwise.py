@@ -5,7 +5,6 @@ import numpy as np
 import torch
 from torch.onnx import symbolic_helper
 from torch.onnx._internal.torchscript_exporter import _type_utils, symbolic_opset9, symbolic_opset10, symbolic_opset11
-from torch.onnx._internal.torchscript_exporter import symbolic_opset20
 
 from ...graph import rewrites
 from ._graph import DOMAIN, _constant, _dtype, _ExportGraph
@@ -186,17 +185,8 @@ def floor_divide(g, x, divisor):
     return symbolic_opset10._floor_divide(g, x, divisor)  # orttrainer exports at opset 12 or more
 
 
-def gelu(g, x, approximate):
-    """torch's own symbolic for the opset (its erf or tanh formula below opset 20, ONNX's Gelu from 20), registered so
-    that a bfloat16 ``x`` computes the whole formula in float32 and rounds once, as torch's gelu kernel does, instead of
-    after each of its five to eight nodes (graph/bfloat16.py: BERT-base's GELUs and their gradients were 40% of its
-    bfloat16 casts, benchmarks/NOTES.md §59)."""
-    return (symbolic_opset20 if g.opset >= 20 else symbolic_opset9).gelu(g, x, approximate)
-
-
 SYMBOLICS = {
     "floor_divide": floor_divide,
-    "gelu": gelu,
     "floordiv": floor_divide,
     "threshold": threshold,
     "softplus": softplus,
