@@ -37,6 +37,22 @@ def exports(monkeypatch):
 
 
 @pytest.fixture
+def eval_runs(monkeypatch):
+    """The eval-mode runs of the module the exports of a test made to infer their model_desc: a list holding one count."""
+    from orttrainer.export import as_trained
+
+    counted = [0]
+    sample_outputs = as_trained.sample_outputs
+
+    def counting(*args, **kwargs):
+        counted[0] += 1
+        return sample_outputs(*args, **kwargs)
+
+    monkeypatch.setattr(as_trained, "sample_outputs", counting)
+    return counted
+
+
+@pytest.fixture
 def checks(monkeypatch):
     """The first-step checks the trainers of a test prepared (torch's side of each, taken at each graph's build)."""
     references = []
@@ -55,9 +71,10 @@ def _compare_outputs(outputs, expected, expected64, where):
 
 
 @pytest.mark.parametrize("make", [zoo.bert_classifier, zoo.gpt2_lm], ids=["bert-classifier", "gpt2-lm"])
-def test_one_graph_trains_every_padded_length_like_torch(exports, make):
+def test_one_graph_trains_every_padded_length_like_torch(exports, eval_runs, make):
     """Seven lengths and two batch sizes, each batch padded to its own longest: one graph, three exports (the first
-    batch, one at a new length, one at a new batch size), the rest served by the guards."""
+    batch, one at a new length, one at a new batch size), the rest served by the guards. Only the first export runs
+    the module in eval mode to infer the model_desc; the others take the graph's."""
     pytest.importorskip("transformers", reason="the Hugging Face zoo needs transformers (the test extra)")
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(7)
@@ -69,7 +86,7 @@ def test_one_graph_trains_every_padded_length_like_torch(exports, make):
     trainer = ORTTrainer(model, None, optim.SGDConfig(lr=0.1), options=cpu_options())
     train_keywords_like_torch(trainer, reference, reference64, batches, 0.1, _compare_outputs)
     assert trainer._graphs.built == 1
-    assert exports[0] == 3
+    assert exports[0] == 3 and eval_runs[0] == 1
 
 
 class _TokenClassifier(nn.Module):
@@ -123,6 +140,32 @@ def test_a_size_read_by_len_is_exported_at_every_new_length(exports):
                             loss_fn=F.cross_entropy)  # fmt: skip
     assert exports[0] == 4  # every new signature
     assert trainer._graphs.built == 3  # the trace holds the slice's end: 3 at length 4, 4 at lengths 6 and 7, 5 at 9
+
+
+class SequenceFirstAttention(_TokenClassifier):
+    """torch's nn.MultiheadAttention over sequence-first states: its trace holds the traced length in constants, and
+    no guard sees it."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(8, 2)
+
+    def forward(self, tokens):
+        states = self.tokens(tokens).transpose(0, 1)
+        attended, _ = self.attention(states, states, states, need_weights=False)
+        return self.head(attended.mean(0))
+
+
+def test_a_trace_holding_a_length_without_a_guard_gets_a_graph_per_length(exports, eval_runs):
+    """At the second length the export taking the first graph's names and axes differs from it: the full export
+    follows and builds another graph; from then on every new length is exported in full, as a trace that holds sizes
+    needs, with no such probe first."""
+    torch.manual_seed(0)
+    shapes = [(4, 5), (4, 7), (4, 9), (4, 5), (4, 7)]
+    trainer, _ = run_parity(SequenceFirstAttention(), _token_batches(shapes, seed=4), optim.SGDConfig(lr=0.1), _sgd,
+                            loss_fn=F.cross_entropy)  # fmt: skip
+    assert trainer._graphs.built == 3
+    assert exports[0] == 4 and eval_runs[0] == 3  # 5; 7 probed, then in full; 9 in full
 
 
 class CountsMaskedTokens(_TokenClassifier):

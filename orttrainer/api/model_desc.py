@@ -233,13 +233,19 @@ def infer_model_desc(input_names, inputs, sample_outputs, form, free=FREE_SIZES)
     lengths, image sizes); every axis of every output (a graph declares what it computes, not the sizes of the
     batch it was traced at)."""
     batch_size = inputs[0].shape[0] if inputs and inputs[0].dim() > 0 else None
-    desc_inputs = [(name, _symbolic_shape(name, tensor, batch_size, free_axes(tensor, free)))
-                   for name, tensor in zip(input_names, inputs)]  # fmt: skip
+    desc_inputs = inferred_inputs(input_names, inputs, free)
     desc_outputs = [(name, _symbolic_shape(name, tensor, batch_size, range(tensor.dim())), index == 0)
                     for index, (name, tensor) in enumerate(zip(form.names, sample_outputs))]  # fmt: skip
     desc = _ORTTrainerModelDesc({"inputs": desc_inputs, "outputs": desc_outputs})
     desc.form = form
     return desc
+
+
+def inferred_inputs(input_names, inputs, free=FREE_SIZES) -> list:
+    """The (name, shape) of each input an inferred model_desc declares (``infer_model_desc``)."""
+    batch_size = inputs[0].shape[0] if inputs and inputs[0].dim() > 0 else None
+    return [(name, _symbolic_shape(name, tensor, batch_size, free_axes(tensor, free)))
+            for name, tensor in zip(input_names, inputs)]  # fmt: skip
 
 
 def match_inputs(args, kwargs, model_desc=None, model=None, has_label=False):

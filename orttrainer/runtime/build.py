@@ -34,7 +34,7 @@ from .. import progress
 from ..update import amp
 from . import session, torch_convolutions, torch_products
 from ..api.model_desc import (FREE_SIZES, _ORTTrainerModelDesc, forward_keywords, forward_parameters, free_axes,
-                               infer_model_desc)
+                               infer_model_desc, inferred_inputs)
 
 
 class Runtime:
@@ -233,28 +233,41 @@ class TorchSource:
                 return True
         return False
 
-    def export(self, input_names, inputs, constants, compared_only=False) -> TorchExport:
+    def export(self, input_names, inputs, constants, compared_with=None) -> TorchExport:
         """Export at this batch and these constants (forward's keywords baked into the trace); ``model_desc``
         None: inferred from them (the sizes of the batch dynamic: ``model_desc.infer_model_desc``). The graph holds no weights: they are graph inputs. The module
         is left as it was: its modes, attributes and buffers (forward in training mode moves BatchNorm's statistics).
 
-        ``compared_only``: the graph is only compared with the one built at the same shapes from other
-        values (graph_cache's values check); the custom-backward check that build ran is not repeated.
+        ``compared_with``: the model_desc of a built graph this export is only compared with (graph_cache: one built
+        at the same shapes from other values, or at other sizes of axes it declares dynamic, ``declares_alike``): the
+        export takes its names and dynamic axes, and neither the eval-mode run that infers them (``outputs`` is None)
+        nor the custom-backward check that build ran is repeated.
         A branch on the values themselves is refused by every export (``exporter_warnings.ValuesTurnedPython``).
         """
         with progress.phase(f"exported {self.described} at {[list(tensor.shape) for tensor in inputs]}"), \
                 as_trained.as_trained(self.module), amp.torch_autocast(self.options.mixed_precision, self.device):
-            return self._export(input_names, inputs, constants, compared_only)
+            return self._export(input_names, inputs, constants, compared_with)
 
-    def _export(self, input_names, inputs, constants, compared_only) -> TorchExport:
+    def declares_alike(self, desc, input_names, inputs) -> bool:
+        """Whether an export at ``inputs`` would declare its inputs as ``desc`` (a built graph's) does: the same names,
+        and the same sizes where not dynamic."""
+        if self.model_desc is not None:  # every export declares the user's
+            return True
+        declared = [(entry.name, list(entry.shape)) for entry in desc.inputs]
+        return declared == [(name, list(shape)) for name, shape in inferred_inputs(input_names, inputs, self.free_sizes)]
+
+    def _export(self, input_names, inputs, constants, compared_with) -> TorchExport:
         module, loss_fn = self.module, self.loss_fn
         # forward may change what it is given
         batch = [tensor.detach().to(self.device, copy=True) for tensor in inputs]
-        outputs, form = as_trained.sample_outputs(module, loss_fn, self.forward_names, batch, constants)
-        outputs = list(outputs)
-        desc = self.model_desc or infer_model_desc(input_names, batch, outputs, form, self.free_sizes)
-        # given the loss, the trace refuses custom backwards (not again where the graph is only compared with one built)
-        loss_index = None if compared_only else _loss_index(desc, outputs, loss_fn, inferred=self.model_desc is None)
+        if compared_with is None:
+            outputs, form = as_trained.sample_outputs(module, loss_fn, self.forward_names, batch, constants)
+            outputs = list(outputs)
+            desc = self.model_desc or infer_model_desc(input_names, batch, outputs, form, self.free_sizes)
+            # given the loss, the trace refuses custom backwards
+            loss_index = _loss_index(desc, outputs, loss_fn, inferred=self.model_desc is None)
+        else:
+            outputs, desc, loss_index = None, compared_with, None
         with recompute.checkpointed_modules(module) as checkpointed:  # carried to the build in the graph's metadata
             onnx_model, lookups, trace_facts = trace.export_to_onnx(
                 module, batch, loss_fn, self.forward_names, [(entry.name, entry.shape) for entry in desc.inputs],

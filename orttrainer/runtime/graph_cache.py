@@ -14,7 +14,9 @@ branch a Python decision on a size took (``if q_length > 1:``). It always holds 
   show that no branch the module's Python takes changes at the new sizes. A trace that read a size as a plain int
   (``len(tensor)``) or froze a value of unknown origin serves no new signature without an export.
 - with an export at the new batch, compared with the graphs already built, without their weights: the same graph
-  serves the new signature too (and its ``varying`` axes grow where its guards hold); another graph is built over
+  serves the new signature too (and its ``varying`` axes grow where its guards hold; where a built graph's guards
+  hold and it declares the batch's inputs alike, the export takes that graph's names and dynamic axes and skips the
+  eval-mode run that would infer them: ``_probe``); another graph is built over
   the same weight tensors (``build.from_torch(..., shared=)``), so one optimizer, one set of gradient buffers,
   BatchNorm statistics, scales and checkpoint serve all graphs.
 
@@ -59,8 +61,10 @@ class _Graph:
     origin), and then every new signature is exported and compared.
     """
 
-    def __init__(self, runtime, structure: bytes, desc, signature, trace_facts):
+    def __init__(self, runtime, structure: bytes, desc, signature, exported):
         self.runtime, self.structure, self.desc, self.signature = runtime, structure, desc, signature
+        self.exported_desc = exported.desc  # the names and dynamic axes it was exported with
+        trace_facts = exported.trace_facts
         self.guards = trace_facts.guards
         self.generic = not trace_facts.frozen_values and not trace_facts.sizes_read_untraced
         self.varying = set()
@@ -70,11 +74,14 @@ class _Graph:
         differing = _differing_axes(self.signature, signature)
         return self.generic and differing is not None and differing <= self.varying and self.guards.hold(inputs)
 
-    def served_at(self, signature, inputs) -> None:
-        """An export at ``signature`` gave this graph: the axes it differs in are free where the guards hold."""
+    def sizes_to_try(self, signature, inputs) -> set:
+        """The axes a batch of this new ``signature`` (``inputs`` its tensors) differs in from the graph's first, where
+        it differs in sizes alone and takes every guard as the trace did: an export at it that gives this same graph
+        makes them ``varying``. Empty otherwise."""
         differing = _differing_axes(self.signature, signature)
-        if self.generic and differing is not None and self.guards.hold(inputs):
-            self.varying |= differing
+        if not self.generic or not differing or not self.guards.hold(inputs):
+            return set()
+        return differing
 
 
 class _ValuesCheck:
@@ -83,13 +90,13 @@ class _ValuesCheck:
 
     def __init__(self, exported, structure: bytes):
         self.locations, self.first_inputs, self.structure = exported.trace_facts.frozen_values, exported.inputs, structure
-        self.constants = exported.constants
+        self.constants, self.desc = exported.constants, exported.desc
 
     def done(self, source, input_names, inputs) -> bool:
         """Whether the check ran (then the signature needs no other); ExportError if the graph differs."""
         if all(torch.equal(first, now.to(first.device)) for first, now in zip(self.first_inputs, inputs)):
             return False
-        again = source.export(input_names, inputs, self.constants, compared_only=True)
+        again = source.export(input_names, inputs, self.constants, compared_with=self.desc)
         exporter_warnings.refuse_data_dependent_trace(self.structure, _structure(again.onnx_model), self.locations)
         return True
 
@@ -112,6 +119,7 @@ class GraphCache:
         self.model_desc = None
         self.built = 0
         self._warned = False
+        self._probing = True  # until a probe's export differs: then this module's trace holds sizes of its batch
 
     def runtime_for(self, input_names, inputs, constants) -> build.Runtime:
         """The Runtime of this batch's signature; the first batch of a new one is served by a graph that
@@ -133,21 +141,50 @@ class GraphCache:
         model, loss_fn, options, model_desc = self._given
         if self._source is None:
             self._source = build.TorchSource(model, loss_fn, input_names, options, model_desc, self._where[0])
-        shared = next(reversed(self._graphs.values())).runtime if self._graphs else None
-        exported = self._export(input_names, inputs, constants)
-        structure = _structure(exported.onnx_model)
-        graph = self._graphs.get(structure)
-        if graph is None:
-            runtime, exported = self._build(exported, shared, input_names)
-            structure = _structure(exported.onnx_model)
-            desc = runtime.model_desc if model_desc is not None else _any_size(runtime.model_desc)
-            graph = self._graphs[structure] = _Graph(runtime, structure, desc, signature, exported.trace_facts)
-            self.built += 1
-            self._drop_least_recently_used()
+        probed = self._probe(signature, input_names, inputs, constants)
+        if probed is not None:
+            graph, exported = probed
         else:
-            graph.served_at(signature, inputs)
+            exported = self._export(input_names, inputs, constants)
+            graph = self._graphs.get(_structure(exported.onnx_model))
+            if graph is None:
+                graph, exported = self._new_graph(signature, exported, input_names)
+            else:
+                graph.varying |= graph.sizes_to_try(signature, inputs)
         frozen = exported.trace_facts.frozen_values
-        return [graph, _ValuesCheck(exported, structure) if frozen else None]
+        return [graph, _ValuesCheck(exported, graph.structure) if frozen else None]
+
+    def _probe(self, signature, input_names, inputs, constants):
+        """(graph, export) where a built graph serves this batch once an export at its sizes, declared as the graph
+        declares its inputs, gives the same graph; None where no graph could (``_Graph.sizes_to_try``,
+        ``TorchSource.declares_alike``) or the export differs or fails (the full export follows, and no batch is probed
+        again: the trace holds sizes of its batch). Such an export skips the module's eval-mode run
+        (``TorchSource.export``'s ``compared_with``)."""
+        for graph in reversed(self._graphs.values()) if self._probing else ():
+            differing = graph.sizes_to_try(signature, inputs)
+            if differing and self._source.declares_alike(graph.exported_desc, input_names, inputs):
+                try:
+                    again = self._source.export(input_names, inputs, constants, compared_with=graph.exported_desc)
+                except (ExportError, SizesNeeded):
+                    again = None
+                if again is None or _structure(again.onnx_model) != graph.structure:
+                    self._probing = False
+                    return None
+                graph.varying |= differing
+                return graph, again
+        return None
+
+    def _new_graph(self, signature, exported, input_names):
+        """(the _Graph built from ``exported``, the export it was built from), over the weights of the graphs built."""
+        model_desc = self._given[3]
+        shared = next(reversed(self._graphs.values())).runtime if self._graphs else None
+        runtime, exported = self._build(exported, shared, input_names)
+        structure = _structure(exported.onnx_model)
+        desc = runtime.model_desc if model_desc is not None else _any_size(runtime.model_desc)
+        graph = self._graphs[structure] = _Graph(runtime, structure, desc, signature, exported)
+        self.built += 1
+        self._drop_least_recently_used()
+        return graph, exported
 
     def _export(self, input_names, inputs, constants):
         """The export at this batch. Where it fails with image sizes free (``ExportError``: an op whose export reads
