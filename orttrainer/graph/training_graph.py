@@ -23,6 +23,7 @@ from onnxruntime.capi._pybind_state import GradientGraphBuilder, get_optimized_m
 
 from . import cpu_kernels, defined_gradients, rewrites
 from .dropout import drop_zero_dropouts, dropout_ratio_times_input
+from .early_gathers import gather_rows_early
 from .eval_graph import set_inference_mode, take_branches
 from .float16 import float32_gradient_kernels, scale_loss, to_mixed_precision
 from .graph_edits import (
@@ -323,7 +324,8 @@ def _quiet_session_options() -> onnxruntime.SessionOptions:
 
 def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name: str, output_names,
                           mixed_precision: bool = False, on_cpu: bool = False, lookups=None,
-                          facts: TensorFacts = None, keep_for_torch=(), recurrent_on_torch: bool = False) -> TrainingGraphs:
+                          facts: TensorFacts = None, keep_for_torch=(), recurrent_on_torch: bool = False,
+                          sample_shapes=None) -> TrainingGraphs:
     """Build the training graph (outputs, running stats, gradients) and the eval graph.
 
     ``forward`` is the forward+loss graph with weights as initializers; ``trainable``
@@ -340,6 +342,8 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     and a CTC loss train (without it, a CTC loss is refused).
     ``lookups`` ({Gather node name: exported_graph.EmbeddingLookup}) carry torch's embedding gradient rules;
     ``facts`` (``infer_tensor_facts(forward)``), when the caller has them, spare an inference.
+    ``sample_shapes`` ({graph input: shape} of the batch the graph is built at) let Gathers of rows move above the
+    row-wise ops that computed them (``early_gathers``), so that those compute only the rows read.
     """
     if not recurrent_on_torch:
         refuse_ctc_losses(forward, f"{_CTC_ON_TORCH}, which orttrainer makes on the CPU only, without mixed precision or "
@@ -348,6 +352,8 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     name_unnamed_nodes(model.graph)
     drop_trailing_empty_inputs(model.graph)
     drop_zero_dropouts(model)
+    if sample_shapes and gather_rows_early(model, sample_shapes, kept=set(lookups or {})):
+        facts = None  # they describe the tensors of ``forward``
     rewrites.explicit_convolution_pads(model)
     eval_model = copy.deepcopy(model)
     set_inference_mode(eval_model)

@@ -530,7 +530,7 @@ def _build(onnx_model, model_desc, weights, trainable, options, device, provider
         graphs = training_graph.build_training_graphs(
             onnx_model, trainable, frozen, model_desc.loss_output.name, [entry.name for entry in model_desc.outputs],
             mixed_precision, on_cpu=device.type == "cpu", lookups=lookups, facts=facts, keep_for_torch=keep_for_torch,
-            recurrent_on_torch=_splits_for_torch(options, device),
+            recurrent_on_torch=_splits_for_torch(options, device), sample_shapes=sample_shapes,
         )  # fmt: skip
         recompute.apply(graphs.train, options.graph_transformer, recompute.checkpointed(onnx_model),
                         [entry.name for entry in model_desc.inputs])  # fmt: skip
