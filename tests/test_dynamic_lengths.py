@@ -261,6 +261,49 @@ def test_guards_hold_exactly_where_every_decision_comes_out_the_same(traced, oth
     assert len(values.size_guards.guarded) == 2  # the two lines that decide
 
 
+class DecidesThroughLayers(nn.Module):
+    """Decisions on sizes read after ops whose result has their input's shape (layer norm, gelu, softmax, dropout),
+    which the guards pass their input on for, and after a Linear, which they run."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, 4)
+        self.norm = nn.LayerNorm(4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, tokens):
+        states = F.dropout(F.gelu(self.norm(self.tokens(tokens))).softmax(-1), 0.1, self.training)
+        if states.shape[1] > 4:  # the length, through four passed-on ops
+            states = states * 2
+        projected = self.head(states)
+        if projected.shape[-1] * projected.shape[0] > 6:  # the Linear's width times the batch
+            projected = projected + 1
+        return projected.mean(1)
+
+
+@pytest.mark.parametrize(("traced", "other"), [((2, 5), (2, 7)), ((3, 5), (4, 9)), ((2, 5), (2, 4)), ((2, 6), (3, 6)),
+                                              ((3, 3), (2, 9))])
+def test_guards_read_sizes_through_ops_that_keep_their_input_shape(traced, other):
+    """The guards of a trace at ``traced`` hold at ``other`` exactly where torch's Python takes both decisions as
+    the traced batch did."""
+    from orttrainer.export import exporter_warnings
+
+    model = DecidesThroughLayers().eval()
+    values, guards = exporter_warnings.ValuesTurnedPython(), []
+
+    def traced_forward(tokens, *weights):
+        outputs = model(tokens)
+        guards.append(values.size_guards.compile(torch._C._get_tracing_state().graph(), [tokens], list(weights)))
+        return outputs
+
+    with values:
+        torch.jit.trace(traced_forward, (torch.ones(traced, dtype=torch.long), *model.parameters()), check_trace=False)
+    decisions = [lambda shape: shape[1] > 4, lambda shape: 3 * shape[0] > 6]
+    same = all(decide(other) == decide(traced) for decide in decisions)
+    assert guards[0].hold([torch.empty(other, dtype=torch.long)]) is same
+    assert len(values.size_guards.guarded) == 2
+
+
 # ------------------------------------------------------------------ image sizes
 def _image_batches(shapes, seed=0):
     """(images [batch, 3, height, width], a class per image) for each (batch, height, width) of ``shapes``."""

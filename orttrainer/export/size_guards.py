@@ -89,6 +89,17 @@ def _not_traced():
         torch._C._set_tracing_state(state)
 
 
+# ops whose result has the shape of their first input: the guards read sizes alone, so the function passes that input
+# on instead of running them (on meta tensors their kernels are Python decompositions: half a guard check's time)
+_SHAPE_OF_FIRST_INPUT = {"aten::layer_norm", "aten::gelu", "aten::relu", "aten::tanh", "aten::sigmoid", "aten::silu",
+                         "aten::dropout", "aten::softmax", "aten::log_softmax", "aten::contiguous", "aten::clone",
+                         "aten::detach"}  # fmt: skip
+
+
+def _passes_on_first_input(node) -> bool:
+    return node.kind() in _SHAPE_OF_FIRST_INPUT and len(list(node.outputs())) == 1
+
+
 def _function_of(graph, values):
     """A TorchScript function computing ``values`` of ``graph`` from the graph inputs they depend on, and the indices
     of those inputs. Inputs are typed as plain tensors: the trace's types hold the traced batch's sizes."""
@@ -97,7 +108,8 @@ def _function_of(graph, values):
         value = pending.pop()
         if value.unique() not in needed:
             needed.add(value.unique())
-            pending.extend(value.node().inputs())
+            node = value.node()
+            pending.extend([node.inputsAt(0)] if _passes_on_first_input(node) else node.inputs())
     copy, mapping, used = torch._C.Graph(), {}, []
     meta = copy.insertConstant(torch.device("meta"))  # where the trace moved a tensor, the copy keeps it on meta
     for index, graph_input in enumerate(graph.inputs()):
@@ -107,7 +119,9 @@ def _function_of(graph, values):
             mapping[graph_input.unique()] = copy.addInput().setType(torch._C.TensorType.get())
             used.append(index)
     for node in _nodes_in_order(graph.block()):
-        if any(output.unique() in needed for output in node.outputs()):
+        if _passes_on_first_input(node) and node.output().unique() in needed:
+            mapping[node.output().unique()] = mapping[node.inputsAt(0).unique()]
+        elif any(output.unique() in needed for output in node.outputs()):
             if list(node.blocks()):
                 raise RuntimeError(f"the size decisions read the result of a {node.kind()}")
             if node.kind() == "prim::Constant" and node.output().type().kind() == "DeviceObjType":
