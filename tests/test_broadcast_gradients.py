@@ -122,6 +122,19 @@ def test_broadcast_reduction_is_dropped_only_when_the_operand_keeps_its_shape(sh
         assert model.graph.node[-1].input[0] == "z" and "BroadcastGradientArgs" not in op_types
 
 
+@pytest.mark.parametrize("sample_x, sample_y, dropped", [
+    ([7, 256], [7, 256], True),  # the same size above 1 at the built batch: the same size at every batch
+    ([1, 256], [1, 256], False),  # both 1 there: either could be the larger at another batch
+    ([7, 256], [1, 256], False),  # the other was broadcast there: this one could be at another batch
+], ids=["same-above-1", "both-1", "other-1"])  # fmt: skip
+def test_sizes_the_shapes_do_not_name_are_read_at_the_built_batch(sample_x, sample_y, dropped):
+    """Lengths dynamic under two names (a Reshape loses which is which): the sizes at the batch the graph is built
+    at decide."""
+    model = _broadcast_reduction(["length", 256], ["positions", 256], 0)
+    training_graph.drop_empty_broadcast_reductions(model, model, {"x": sample_x, "y": sample_y})
+    assert ("ReduceSum" not in [node.op_type for node in model.graph.node]) == dropped
+
+
 class Projections(nn.Module):
     """A Linear over [batch, sequence, 8] (a MatMul against the 2-D weight, then the bias add), then a batched
     MatMul and a broadcast product."""

@@ -31,7 +31,7 @@ from .graph_edits import (
 )
 from .graph_errors import GradientBuildError, describe_node, module_path, node_error
 from .outputs_for_trainer import expose_running_statistics, split_embedding_lookups, written_buffers
-from .tensor_facts import TensorFacts, infer_tensor_facts
+from .tensor_facts import TensorFacts, infer_tensor_facts, shapes_at
 from . import nodes_for_torch
 
 
@@ -396,7 +396,7 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
         raise _builder_error(error, optimized.graph) from error
     train_model = onnx.load_from_string(builder.get_model())
     nodes_for_torch.complete_rnn_gradients(train_model)
-    drop_empty_broadcast_reductions(train_model, forward)
+    drop_empty_broadcast_reductions(train_model, model, sample_shapes)
     defined_gradients.zero_gradient_at_bounds(train_model)
     defined_gradients.torch_cumprod_gradients(train_model)
     defined_gradients.spell_forwards(train_model, keep_for_torch)
@@ -416,35 +416,46 @@ def build_training_graphs(forward: onnx.ModelProto, trainable, frozen, loss_name
     return TrainingGraphs(with_ir_version(train_model), eval_model, gradient_outputs, running_statistics, embeddings)
 
 
-def _keeps_its_shape(own, other) -> bool:
+def _keeps_its_shape(own, other, own_sample=None, other_sample=None) -> bool:
     """Whether a tensor of shape ``own`` keeps it when broadcast with one of shape ``other`` (sizes, symbolic
     names, None where unknown): it has as many dims or more, and on each it has a static size above 1, the
-    same size or name as the other (a name stands for one size in a graph: model_desc's check), or the
-    other's is a static 1."""
+    same size or name as the other (a name stands for one size in a graph: model_desc's check), the other's is
+    a static 1, or both had the same size above 1 at the batch the graph is built at (``*_sample``: two sizes that
+    broadcast at every batch and are equal and not 1 at one are the same size)."""
     if own is None or other is None or len(own) < len(other):
         return False
-    return all((mine is not None and ((isinstance(mine, int) and mine > 1) or mine == theirs)) or theirs == 1
-               for mine, theirs in zip(reversed(own), reversed(other)))  # fmt: skip
+    samples = zip(reversed(own_sample), reversed(other_sample)) if own_sample and other_sample else ()
+    same_at_sample = [isinstance(mine, int) and mine == theirs and mine > 1 for mine, theirs in samples]
+    same_at_sample += [False] * (len(other) - len(same_at_sample))
+    return all((mine is not None and ((isinstance(mine, int) and mine > 1) or mine == theirs)) or theirs == 1 or same
+               for mine, theirs, same in zip(reversed(own), reversed(other), same_at_sample))  # fmt: skip
 
 
-def _reduced_operand_keeps_its_shape(node, shape_of, nodes_by_name: dict, shapes: dict) -> bool:
+def _reduced_operand_keeps_its_shape(node, shape_of, nodes_by_name: dict, shapes: dict, samples: dict) -> bool:
     """For a ReduceSum that reads the axes ``BroadcastGradientArgs(Shape(a), Shape(b))`` gives one of a and b:
-    whether that operand can never have been broadcast, from the forward graph's shapes."""
+    whether that operand can never have been broadcast, from the forward graph's shapes (``samples``: at the batch
+    it is built at)."""
     arguments = shape_of.get(node.input[1])
     if arguments is None:
         return False
     operands, position = arguments
     own, other = (shapes.get(name) for name in (operands[position], operands[1 - position]))
+    if own is not None and other is not None:
+        return _keeps_its_shape(own, other, samples.get(operands[position]), samples.get(operands[1 - position]))
     if other is None:  # a MatMul's gradient compares the operand with its gradient before the reduction
         matmul = nodes_by_name.get(node.name.rpartition("_Grad/")[0])
         if matmul is None or matmul.op_type != "MatMul" or operands[position] not in matmul.input[:2] or own is None:
             return False
-        other = shapes.get(matmul.input[1 - list(matmul.input).index(operands[position])])
-        return other is not None and len(own) >= 2 and _keeps_its_shape(own[:-2], other[:-2] if len(other) > 2 else [])
+        other_name = matmul.input[1 - list(matmul.input).index(operands[position])]
+        other = shapes.get(other_name)
+        own_sample, other_sample = samples.get(operands[position]), samples.get(other_name)
+        return other is not None and len(own) >= 2 and _keeps_its_shape(
+            own[:-2], other[:-2] if len(other) > 2 else [], own_sample and own_sample[:-2],
+            other_sample and (other_sample[:-2] if len(other_sample) > 2 else []))  # fmt: skip
     return _keeps_its_shape(own, other)
 
 
-def drop_empty_broadcast_reductions(model: onnx.ModelProto, forward: onnx.ModelProto) -> None:
+def drop_empty_broadcast_reductions(model: onnx.ModelProto, forward: onnx.ModelProto, sample_shapes=None) -> None:
     """Remove, in place, the gradient builder's broadcast reductions that never reduce.
 
     Where it cannot see an operand's shape at build time, the builder sums the gradient over the axes
@@ -453,10 +464,13 @@ def drop_empty_broadcast_reductions(model: onnx.ModelProto, forward: onnx.ModelP
     step (benchmarks/NOTES.md §36). Those whose operand provably keeps its shape, by the shapes of the
     ``forward`` graph (``rewrites.symbolic_shapes``: a bias add's input, a residual sum of two [batch, ...]
     tensors, a MatMul's operand against a matrix, a product with a scalar) are skipped; the rest stay.
+    With lengths dynamic the shapes lose them after a Reshape: the sizes at ``sample_shapes`` ({graph input: shape}
+    of the batch the graph is built at) then tell (``_keeps_its_shape``).
     """
     if not any(node.op_type == "BroadcastGradientArgs" for node in model.graph.node):
         return  # a CNN's graph, typically: no shape inference for nothing
     shapes = rewrites.symbolic_shapes(forward)
+    samples = shapes_at(forward, sample_shapes) if sample_shapes else {}
     producers = {output: node for node in model.graph.node for output in node.output}
     nodes_by_name = {node.name: node for node in model.graph.node}
     shape_of = {}  # axes tensor -> ((a, b), position) of the BroadcastGradientArgs that gives it
@@ -470,7 +484,7 @@ def drop_empty_broadcast_reductions(model: onnx.ModelProto, forward: onnx.ModelP
     renamed = {}
     for node in model.graph.node:
         if (node.op_type == "ReduceSum" and len(node.input) > 1 and node.output[0] not in graph_outputs
-                and _reduced_operand_keeps_its_shape(node, shape_of, nodes_by_name, shapes)):  # fmt: skip
+                and _reduced_operand_keeps_its_shape(node, shape_of, nodes_by_name, shapes, samples)):  # fmt: skip
             renamed[node.output[0]] = node.input[0]
     if not renamed:
         return
