@@ -70,7 +70,8 @@ def _compare_outputs(outputs, expected, expected64, where):
     assert_within_float32_error(outputs.logits, expected.logits.detach(), expected64.logits.detach(), f"{where} logits")
 
 
-@pytest.mark.parametrize("make", [zoo.bert_classifier, zoo.gpt2_lm], ids=["bert-classifier", "gpt2-lm"])
+@pytest.mark.parametrize("make", [zoo.bert_classifier, zoo.gpt2_lm, zoo.gpt2_classifier, zoo.llama_classifier],
+                         ids=["bert-classifier", "gpt2-lm", "gpt2-classifier", "llama-classifier"])  # fmt: skip
 def test_one_graph_trains_every_padded_length_like_torch(exports, eval_runs, make):
     """Seven lengths and two batch sizes, each batch padded to its own longest: one graph, three exports (the first
     batch, one at a new length, one at a new batch size), the rest served by the guards. Only the first export runs
@@ -78,7 +79,7 @@ def test_one_graph_trains_every_padded_length_like_torch(exports, eval_runs, mak
     pytest.importorskip("transformers", reason="the Hugging Face zoo needs transformers (the test extra)")
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(7)
-    batch = zoo.classification_batch if make is zoo.bert_classifier else zoo.causal_lm_batch
+    batch = zoo.causal_lm_batch if make is zoo.gpt2_lm else zoo.classification_batch
     shapes = [(2, 8), (2, 12), (2, 9), (3, 20), (2, 5), (2, 31), (3, 2), (2, 8)]
     batches = [batch(*shape, generator=generator) for shape in shapes]
     model = make()

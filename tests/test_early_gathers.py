@@ -192,3 +192,73 @@ def test_a_bert_classifier_computes_its_last_layer_for_the_pooled_token_only(mon
     last = max(int(node.name.split("layer.")[1].split("/")[0]) for node in nodes if "encoder/layer." in node.name)
     first_dense = [node for node in nodes if f"layer.{last}/intermediate/dense/MatMul" in node.name and "_Grad" not in node.name]
     assert first_dense and all("/rows/" in node.input[0] for node in first_dense)
+
+
+def _int64(values):
+    return numpy_helper.from_array(np.asarray(values, dtype=np.int64))
+
+
+def _last_token_classifier():
+    """GPT-2's and Llama's classifier shape: Conv1D blocks (flatten to rows, Gemm, reshape back to the input's leading
+    sizes), a residual, an RMSNorm (a mean over the last axis), the logits of every position flattened to rows and
+    each sequence's row ``last`` gathered at ``batch_index * length + last``, the length read from the logits'
+    shape."""
+    def constant(name, values):
+        return helper.make_node("Constant", [], [name], value=_int64(values))
+
+    def conv1d(prefix, source, weight, bias, width):  # GPT-2's Conv1D: view(-1, in), addmm, view(*leading, out)
+        return [helper.make_node("Shape", [source], [f"{prefix}_shape"]),
+                constant(f"{prefix}_zero", 0), constant(f"{prefix}_one", 1), constant(f"{prefix}_axes", [0]),
+                helper.make_node("Gather", [f"{prefix}_shape", f"{prefix}_zero"], [f"{prefix}_batch"], axis=0),
+                helper.make_node("Gather", [f"{prefix}_shape", f"{prefix}_one"], [f"{prefix}_length"], axis=0),
+                helper.make_node("Unsqueeze", [f"{prefix}_batch", f"{prefix}_axes"], [f"{prefix}_batch1"]),
+                helper.make_node("Unsqueeze", [f"{prefix}_length", f"{prefix}_axes"], [f"{prefix}_length1"]),
+                constant(f"{prefix}_width", [width]),
+                helper.make_node("Concat", [f"{prefix}_batch1", f"{prefix}_length1", f"{prefix}_width"], [f"{prefix}_target"],
+                                 axis=0),
+                constant(f"{prefix}_rows", [-1, WIDTH if prefix == "up" else HIDDEN]),
+                helper.make_node("Reshape", [source, f"{prefix}_rows"], [f"{prefix}_2d"]),
+                helper.make_node("Gemm", [f"{prefix}_2d", weight, bias], [f"{prefix}_gemm"]),
+                helper.make_node("Reshape", [f"{prefix}_gemm", f"{prefix}_target"], [f"{prefix}_out"])]  # fmt: skip
+
+    nodes = conv1d("up", "x", "w", "b", HIDDEN) + [helper.make_node("Erf", ["up_out"], ["e"])] + conv1d("down", "e", "v", "shift", WIDTH)
+    nodes += [
+        helper.make_node("Add", ["down_out", "x"], ["s"]),
+        helper.make_node("Mul", ["s", "s"], ["squares"]),
+        helper.make_node("ReduceMean", ["squares"], ["mean"], axes=[-1], keepdims=1),
+        helper.make_node("Add", ["mean", "epsilon"], ["shifted"]),
+        helper.make_node("Sqrt", ["shifted"], ["root"]),
+        helper.make_node("Reciprocal", ["root"], ["inverse"]),
+        helper.make_node("Mul", ["s", "inverse"], ["normalized"]),
+        helper.make_node("Mul", ["normalized", "scale"], ["n"]),
+        helper.make_node("MatMul", ["n", "head"], ["logits"]),
+        helper.make_node("Flatten", ["logits"], ["flat"], axis=2),
+        helper.make_node("Shape", ["logits"], ["logits_shape"]),
+        constant("zero", 0), constant("one", 1),
+        helper.make_node("Gather", ["logits_shape", "zero"], ["batch"], axis=0),
+        helper.make_node("Gather", ["logits_shape", "one"], ["length"], axis=0),
+        helper.make_node("Range", ["zero", "batch", "one"], ["sequences"]),
+        helper.make_node("Mul", ["sequences", "length"], ["starts"]),
+        helper.make_node("Add", ["starts", "last"], ["rows"]),
+        helper.make_node("Gather", ["flat", "rows"], ["y"], axis=0, name="pool"),
+    ]
+    weights = _weights() + [("epsilon", np.float32(1e-6)), ("head", np.random.default_rng(3).standard_normal((WIDTH, 3)).astype(np.float32))]
+    model = _model(nodes, ["y"], weights, inputs=(("x", [BATCH, "length", WIDTH]),))
+    model.graph.input.append(helper.make_tensor_value_info("last", TensorProto.INT64, [BATCH]))
+    return model
+
+
+@pytest.mark.parametrize("length", [5, 2, 9])
+def test_the_last_token_of_each_sequence_is_computed_alone_with_the_values_of_every_row(length):
+    """Moved at length 5: the Gather of the flattened logits moves above the head, the RMSNorm, the residual and both
+    Conv1D blocks (through their reshapes) to the rows of x; the length the indices read comes from x's shape. Run at
+    lengths 5, 2 and 9 (boundary values in x) against the original."""
+    model = _last_token_classifier()
+    moved = onnx.ModelProto()
+    moved.CopyFrom(model)
+    assert gather_rows_early(moved, {"x": [BATCH, LENGTH, WIDTH], "last": [BATCH]}) > 10
+    rows = [node for node in moved.graph.node if node.op_type == "Gather" and "/rows/" in node.output[0]]
+    assert rows and all(node.input[0] == "up_2d" or node.input[0].startswith("x/flattened/") for node in rows)  # x's rows
+    feeds = {**_inputs(length=length), "last": np.asarray([length - 1, 0, length // 2], dtype=np.int64)}
+    np.testing.assert_allclose(_run(moved, feeds)[0], _run(model, feeds)[0], rtol=1e-6, atol=1e-6)
+    assert not any(node.op_type == "MatMul" and node.input[0] == "n" for node in moved.graph.node)

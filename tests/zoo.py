@@ -410,6 +410,16 @@ def gpt2_lm():
     return transformers.GPT2LMHeadModel(config)
 
 
+def gpt2_classifier():
+    """GPT-2 reading each sequence's last token that is not padding (its logits flattened, then gathered)."""
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0, use_cache=False,
+                                     bos_token_id=1, eos_token_id=2, pad_token_id=0, num_labels=3)  # fmt: skip
+    return transformers.GPT2ForSequenceClassification(config)
+
+
 def bloom_lm():
     """BLOOM: ALiBi attention biases, its tanh GELU through a custom autograd Function whose backward is the
     gradient of its forward (refusals.GRADIENT_OF_THEIR_FORWARD)."""
@@ -431,6 +441,13 @@ def llama_lm():
     import transformers
 
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**_LLAMA_LIKE))
+
+
+def llama_classifier():
+    """Llama's layout (llama_lm) reading each sequence's last token that is not padding."""
+    import transformers
+
+    return transformers.LlamaForSequenceClassification(transformers.LlamaConfig(**_LLAMA_LIKE, num_labels=3))
 
 
 def mamba_lm():
