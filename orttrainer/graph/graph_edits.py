@@ -2,6 +2,8 @@
 node names, omitted trailing inputs, unused nodes, topological order, and what a node reads (its subgraphs'
 outer-scope values included)."""
 
+from collections import Counter
+
 import onnx
 
 
@@ -34,15 +36,31 @@ def drop_trailing_empty_inputs(graph: onnx.GraphProto) -> None:
 
 
 def remove_unused(graph: onnx.GraphProto) -> None:
-    """Drop nodes none of whose outputs is read, and initializers nothing reads."""
-    while True:
-        used = {name for node in graph.node for name in node.input} | {output.name for output in graph.output}
-        kept = [node for node in graph.node if any(name in used for name in node.output)]
-        if len(kept) == len(graph.node):
-            break
+    """Drop nodes none of whose outputs is read, and initializers nothing reads (one pass: a dropped node's
+    inputs are counted down, and their writers dropped in turn where nothing reads them any more)."""
+    nodes = list(graph.node)
+    graph_outputs = {output.name for output in graph.output}
+    reads = Counter(name for node in nodes for name in node.input)
+    writer = {name: index for index, node in enumerate(nodes) for name in node.output}
+
+    def unread(index):
+        return all(reads[name] == 0 and name not in graph_outputs for name in nodes[index].output)
+
+    dropped, pending = set(), [index for index in range(len(nodes)) if unread(index)]
+    while pending:
+        index = pending.pop()
+        if index in dropped:
+            continue
+        dropped.add(index)
+        for name in nodes[index].input:
+            reads[name] -= 1
+            if reads[name] == 0 and name in writer and writer[name] not in dropped and unread(writer[name]):
+                pending.append(writer[name])
+    if dropped:
         del graph.node[:]
-        graph.node.extend(kept)
-    unused = [initializer for initializer in graph.initializer if initializer.name not in used]
+        graph.node.extend(node for index, node in enumerate(nodes) if index not in dropped)
+    unused = [initializer for initializer in graph.initializer
+              if reads[initializer.name] == 0 and initializer.name not in graph_outputs]  # fmt: skip
     for initializer in unused:
         graph.initializer.remove(initializer)
 
