@@ -18,6 +18,7 @@ from parity import cpu_options
 
 from orttrainer import ORTTrainer, optim
 from orttrainer.graph.early_gathers import gather_rows_early
+from orttrainer.graph.graph_edits import sort_topologically
 
 BATCH, LENGTH, WIDTH, HIDDEN = 3, 5, 4, 6
 
@@ -262,3 +263,22 @@ def test_the_last_token_of_each_sequence_is_computed_alone_with_the_values_of_ev
     feeds = {**_inputs(length=length), "last": np.asarray([length - 1, 0, length // 2], dtype=np.int64)}
     np.testing.assert_allclose(_run(moved, feeds)[0], _run(model, feeds)[0], rtol=1e-6, atol=1e-6)
     assert not any(node.op_type == "MatMul" and node.input[0] == "n" for node in moved.graph.node)
+
+
+@pytest.mark.parametrize("target", [[0, -1], [0, 0, -1], [-1, 4], [2, 0, 2, 2], [3, -1, 4], [24]],
+                         ids=["copy-then-infer", "copies", "inferred-first", "copy-inside", "inferred-inside", "flat"])
+def test_a_reshape_s_shape_from_its_input_and_target(target):
+    """A Shape of a Reshape's output (what GPT-2's index arithmetic reads once the rows move) computed from the
+    Reshape's input and target: a 0 copies the input's size, a -1 takes what is left of its count."""
+    from orttrainer.graph.early_gathers import _shape_from_inputs
+
+    nodes = [helper.make_node("Reshape", ["x", "target"], ["y"], name="reshape"), helper.make_node("Shape", ["y"], ["s"])]
+    graph = helper.make_graph(nodes, "reshape", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])],
+                              [helper.make_tensor_value_info("s", TensorProto.INT64, None)],
+                              [numpy_helper.from_array(np.asarray(target, dtype=np.int64), "target")])  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    assert _shape_from_inputs(model.graph, model.graph.node[1], model.graph.node[0], {})
+    assert "y" not in model.graph.node[1].input
+    copied = [(2, 3, 4)[axis] if size == 0 else size for axis, size in enumerate(target)]  # ONNX's 0: the input's size
+    sort_topologically(model.graph)
+    assert list(_run(model, {"x": np.zeros((2, 3, 4), np.float32)})[0]) == list(np.zeros((2, 3, 4)).reshape(copied).shape)

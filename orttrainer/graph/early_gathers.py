@@ -21,6 +21,8 @@ read off the shapes of the batch the graph is built at: an input whose size ther
 the axis, one of size 1 is broadcast along it; a size of 1 in the output leaves the Gather where it is.
 """
 
+import math
+
 import onnx
 from onnx import helper
 
@@ -284,7 +286,7 @@ def _flattened_rows_node(graph, name: str, indices: str, output: str, shapes: di
     if len(shape) > 2:
         flat = _fresh_name(graph, f"{name}/flattened/{node_name}")
         graph.node.append(helper.make_node("Flatten", [name], [flat], name=f"{node_name}/flatten", axis=len(shape) - 1))
-        shapes[flat] = [_product(shape[:-1]), shape[-1]]
+        shapes[flat] = [math.prod(shape[:-1]), shape[-1]]
     shapes[output] = shapes[indices] + shapes[flat][1:]
     return helper.make_node("Gather", [flat, indices], [output], name=node_name, axis=0)
 
@@ -305,13 +307,6 @@ def _fresh_name(graph, name: str) -> str:
         count += 1
         fresh = f"{name}.{count}"
     return fresh
-
-
-def _product(sizes) -> int:
-    result = 1
-    for size in sizes:
-        result *= size
-    return result
 
 
 def _dying_with(node, producer: dict, readers: dict, graph_outputs: set) -> set:
@@ -359,8 +354,6 @@ def _shape_from_inputs(graph, shape_node, writer, shapes: dict) -> bool:
                                                      keepdims=1)], axis=0)  # fmt: skip
     elif writer.op_type == "Reshape" and not node_attribute(writer, "allowzero", 0):
         full = _reshaped_shape(graph, writer)
-        if full is None:
-            return False
     else:
         return False
     start, end = node_attribute(shape_node, "start", 0), node_attribute(shape_node, "end", None)
