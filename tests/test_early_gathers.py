@@ -282,3 +282,14 @@ def test_a_reshape_s_shape_from_its_input_and_target(target):
     copied = [(2, 3, 4)[axis] if size == 0 else size for axis, size in enumerate(target)]  # ONNX's 0: the input's size
     sort_topologically(model.graph)
     assert list(_run(model, {"x": np.zeros((2, 3, 4), np.float32)})[0]) == list(np.zeros((2, 3, 4)).reshape(copied).shape)
+
+
+def test_a_shape_of_an_elementwise_result_of_unknown_sizes_stays_where_it_is():
+    """Sizes the built batch does not tell (a mask expanded to a shape computed in the run): the Shape keeps
+    reading the result, and the Gather above it does not move."""
+    from orttrainer.graph.early_gathers import _shape_from_inputs
+
+    nodes = [helper.make_node("Add", ["a", "b"], ["s"]), helper.make_node("Shape", ["s"], ["size"])]
+    graph = helper.make_graph(nodes, "add", [], [])
+    assert not _shape_from_inputs(graph, graph.node[1], graph.node[0], {"s": [2, None], "a": [2, None], "b": [2, None]})
+    assert list(graph.node[1].input) == ["s"] and graph.node[1].op_type == "Shape"

@@ -330,8 +330,9 @@ def _shape_from_inputs(graph, shape_node, writer, shapes: dict) -> bool:
     if writer.op_type in _ROW_BY_ROW or writer.op_type in _OVER_AN_AXIS:
         shape_node.input[0] = writer.input[0]
         return True
-    if writer.op_type in _BROADCASTING:
-        alike = [name for name in writer.input if shapes.get(name) == shapes[output] and all(size > 1 for size in shapes[output])]
+    if writer.op_type in _BROADCASTING:  # an input of the output's shape, every size known and above 1 (not broadcast)
+        known = shapes.get(output) is not None and all(isinstance(size, int) and size > 1 for size in shapes[output])
+        alike = [name for name in writer.input if known and shapes.get(name) == shapes[output]]
         if alike:
             shape_node.input[0] = alike[0]
         return bool(alike)
