@@ -440,19 +440,18 @@ def _reduced_operand_keeps_its_shape(node, shape_of, nodes_by_name: dict, shapes
         return False
     operands, position = arguments
     own, other = (shapes.get(name) for name in (operands[position], operands[1 - position]))
-    if own is not None and other is not None:
+    if other is not None:
         return _keeps_its_shape(own, other, samples.get(operands[position]), samples.get(operands[1 - position]))
-    if other is None:  # a MatMul's gradient compares the operand with its gradient before the reduction
-        matmul = nodes_by_name.get(node.name.rpartition("_Grad/")[0])
-        if matmul is None or matmul.op_type != "MatMul" or operands[position] not in matmul.input[:2] or own is None:
-            return False
-        other_name = matmul.input[1 - list(matmul.input).index(operands[position])]
-        other = shapes.get(other_name)
-        own_sample, other_sample = samples.get(operands[position]), samples.get(other_name)
-        return other is not None and len(own) >= 2 and _keeps_its_shape(
-            own[:-2], other[:-2] if len(other) > 2 else [], own_sample and own_sample[:-2],
-            other_sample and (other_sample[:-2] if len(other_sample) > 2 else []))  # fmt: skip
-    return _keeps_its_shape(own, other)
+    # a MatMul's gradient compares the operand with its gradient before the reduction
+    matmul = nodes_by_name.get(node.name.rpartition("_Grad/")[0])
+    if matmul is None or matmul.op_type != "MatMul" or operands[position] not in matmul.input[:2] or own is None:
+        return False
+    other_name = matmul.input[1 - list(matmul.input).index(operands[position])]
+    other = shapes.get(other_name)
+    own_sample, other_sample = samples.get(operands[position]), samples.get(other_name)
+    return other is not None and len(own) >= 2 and _keeps_its_shape(
+        own[:-2], other[:-2] if len(other) > 2 else [], own_sample and own_sample[:-2],
+        other_sample and (other_sample[:-2] if len(other_sample) > 2 else []))  # fmt: skip
 
 
 def drop_empty_broadcast_reductions(model: onnx.ModelProto, forward: onnx.ModelProto, sample_shapes=None) -> None:
